@@ -1,0 +1,154 @@
+"""One engine configuration, a few LoRA steps, one JSON row on stdout.
+
+    python -m bench.engine --arch qwen3 --layers 8 --dim 256 --vocab 32000 --seq 1024 \
+        --dtype float32 --steps 3 --mode segmented --segment-size 1
+
+The model is mlx-lm's own architecture at the given shape with random weights
+(hidden=dim, intermediate=3*dim, heads=dim//64, kv heads=max(1, dim//128),
+head_dim=64, tied embeddings), LoRA rank 8 scale 20 on every linear of every
+layer, one sequence of --seq random tokens with the loss on its second half
+(mlx-lm's workload). `--impl mlx-lm` times mlx-lm's own trainer loss and step
+(`default_loss`, its compiled step, its class-level grad_checkpoint) on the same
+model. grad_checkpoint patches a class for the whole process, so run one
+configuration per process: `python -m bench.suite` does that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.model import apply_lora, model_parts
+from engine.optim import apply_grads, make_optimizer
+from engine.step import loss_and_grads
+from engine.data import Example
+
+
+def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0):
+    import importlib
+    mod = importlib.import_module(f"mlx_lm.models.{arch}")
+    cfg = dict(model_type=arch, hidden_size=dim, num_hidden_layers=layers,
+               intermediate_size=3 * dim, num_attention_heads=max(1, dim // 64),
+               num_key_value_heads=max(1, dim // 128), head_dim=64, rms_norm_eps=1e-6,
+               vocab_size=vocab, max_position_embeddings=65536, rope_theta=1e6,
+               tie_word_embeddings=True)
+    if arch == "minicpm":
+        cfg.update(scale_emb=12.0, dim_model_base=256, scale_depth=1.4)
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    mx.random.seed(seed + 1)
+    apply_lora(model, rank=8, scale=20.0, dropout=0.0)
+    mx.eval(model.parameters())
+    return model
+
+
+def run(args) -> dict:
+    model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype)
+    mx.random.seed(123)
+    ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
+    prompt_len = args.seq // 2
+    opt = make_optimizer(1e-5)
+    phases: list[tuple[str, float]] = []
+
+    if args.impl == "mlx-lm":
+        step = _mlx_lm_step(model, opt, args.mode == "checkpoint")
+        batch = (mx.array([ids]), mx.array([[prompt_len, args.seq]]))
+        do_step = lambda: step(batch)
+    else:
+        seg = 0 if args.mode in ("plain", "checkpoint") else args.segment_size
+        parts = model_parts(model, check=False)
+        ex = Example(ids, prompt_len)
+        state = [model.state, opt.state]
+
+        def do_step():
+            on_phase = (lambda label: phases.append((label, mx.get_peak_memory() / 1e9))) \
+                if args.phases else None
+            loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=args.head_chunk,
+                                         grad_checkpoint=args.mode == "checkpoint",
+                                         parts=parts, on_phase=on_phase)
+            apply_grads(model, opt, grads, 1.0)
+            mx.eval(state, loss)
+            return loss
+
+    times, peaks, losses = [], [], []
+    for _ in range(args.steps):
+        phases.clear()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        loss = do_step()
+        times.append(time.perf_counter() - tic)
+        peaks.append(mx.get_peak_memory() / 1e9)
+        losses.append(loss.item())
+    row = {
+        "impl": args.impl, "mode": args.mode, "arch": args.arch, "layers": args.layers,
+        "dim": args.dim, "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
+        "segment_size": args.segment_size if args.mode == "segmented" else None,
+        "head_chunk": args.head_chunk if args.impl == "segctl" else None,
+        "peak_gb": round(max(peaks), 4),
+        "step_s": round(statistics.median(times[1:] if len(times) > 1 else times), 4),
+        "first_step_s": round(times[0], 4),
+        "loss": round(losses[0], 4),
+        "steps": args.steps,
+        "device": str(mx.default_device()),
+    }
+    if args.phases:
+        row["phases"] = [[label, round(p, 4)] for label, p in phases]
+    return row
+
+
+def _mlx_lm_step(model, optimizer, grad_ckpt: bool):
+    # mlx-lm 0.32's trainer step, as `mlx_lm.tuner.trainer.train` builds it.
+    from mlx_lm.tuner.trainer import default_loss, grad_checkpoint
+    if grad_ckpt:
+        grad_checkpoint(model.layers[0])
+    loss_value_and_grad = nn.value_and_grad(model, default_loss)
+    state = [model.state, optimizer.state, mx.random.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(batch):
+        (lvalue, toks), grad = loss_value_and_grad(model, *batch)
+        optimizer.update(model, grad)
+        return lvalue, toks
+
+    def run(batch):
+        lvalue, toks = step(batch)
+        mx.eval(state, lvalue, toks)
+        return lvalue
+    return run
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="qwen3")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--mode", default="segmented", choices=["segmented", "plain", "checkpoint"])
+    p.add_argument("--segment-size", type=int, default=1)
+    p.add_argument("--head-chunk", type=int, default=512)
+    p.add_argument("--impl", default="segctl", choices=["segctl", "mlx-lm"])
+    p.add_argument("--phases", action="store_true", help="add per-phase peaks (segctl only)")
+    p.add_argument("--cpu", action="store_true", help="force the CPU device")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    a = parse()
+    if a.cpu:
+        mx.set_default_device(mx.cpu)
+    print(json.dumps(run(a)), flush=True)
+    sys.exit(0)

@@ -1,0 +1,70 @@
+"""Run a named set of bench.engine configurations, each in its own process (mlx-lm's
+grad_checkpoint patches a class for the whole process), side by side in one run.
+
+    python -m bench.suite cpu   > bench/results/cpu.jsonl
+    python -m bench.suite h200 2048,8192 >> bench/results/h200.jsonl
+
+Each row is printed as it lands; a configuration that fails prints a row with
+"error" instead of stopping the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+CPU = dict(arch="qwen3", layers=8, dim=256, vocab=32000, dtype="float32", steps=3)
+QWEN3_06B = dict(arch="qwen3", layers=28, dim=1024, vocab=151936, dtype="bfloat16", steps=3)
+
+COMPARE = [
+    dict(impl="mlx-lm", mode="plain"),
+    dict(impl="mlx-lm", mode="checkpoint"),
+    dict(impl="segctl", mode="plain"),
+    dict(impl="segctl", mode="checkpoint"),
+    dict(impl="segctl", mode="segmented", segment_size=1, phases=True),
+    dict(impl="segctl", mode="segmented", segment_size=2),
+    dict(impl="segctl", mode="segmented", segment_size=4),
+]
+
+PLANS = {
+    "cpu": [dict(CPU, seq=1024, **c) for c in COMPARE],
+    "h200": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192, 16384)
+             for c in COMPARE if not (c["impl"] == "segctl" and c["mode"] in ("plain", "checkpoint")
+                                      and seq > 2048)],
+}
+
+
+def argv_of(cfg: dict) -> list[str]:
+    out = []
+    for k, v in cfg.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False:
+            out += [flag, str(v)]
+    return out
+
+
+def main(plan: str, seqs: list[int] | None = None):
+    for cfg in PLANS[plan]:
+        if seqs and cfg["seq"] not in seqs:
+            continue
+        tic = time.time()
+        proc = subprocess.run([sys.executable, "-m", "bench.engine", *argv_of(cfg)],
+                              capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+        if proc.returncode == 0 and lines:
+            row = json.loads(lines[-1])
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            row = dict(cfg, error=tail[0], rc=proc.returncode)
+        row["wall_s"] = round(time.time() - tic, 1)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    # python -m bench.suite PLAN [SEQ,SEQ...]
+    main(sys.argv[1] if len(sys.argv) > 1 else "cpu",
+         [int(s) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else None)

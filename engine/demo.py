@@ -1,0 +1,329 @@
+"""Tiny self-contained demo: a random-initialised model in Hugging Face layout,
+a toy prompt/completion data set it can learn quickly, and a segctl job file.
+
+Everything is built locally (no downloads), so `segctl` can be tried end to end
+on a laptop CPU in about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+ARCHS = ("llama", "qwen3", "minicpm")
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+# ChatML; the generation prompt is a token-exact prefix of the full rendering,
+# which is what prompt masking (offset = len(prompt tokens)) relies on.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+JOB_TEMPLATE = """\
+# segctl job: LoRA SFT of the demo model (see `segctl train --help`)
+name: demo-{arch}
+method: sft
+model: model
+output: adapters
+data:
+  train: data/train.jsonl
+  valid: data/valid.jsonl
+  mask_prompt: true
+  max_seq_length: 256
+  overlong: truncate
+lora:
+  rank: 8
+  scale: 20.0
+  dropout: 0.0
+  num_layers: -1
+train:
+  iters: 150
+  learning_rate: 2.0e-3
+  schedule: cosine
+  warmup: 10
+  weight_decay: 0.01
+  grad_clip: 1.0
+  seed: 0
+  eval_every: 50
+  val_batches: 20
+  checkpoint_every: 50
+memory:
+  segment_size: 1
+  head_chunk: 512
+"""
+
+
+# ---------------------------------------------------------------- data
+
+
+def demo_examples(n: int, seed: int) -> list[dict]:
+    """`n` rows of the toy task: reverse 3-6 space-separated lowercase letters.
+
+    Letters separated by spaces are one BPE token each, so the model only has
+    to learn position-wise copying, which LoRA on a tiny model picks up fast.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        letters = [rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6))]
+        rows.append(
+            {"prompt": "reverse: " + " ".join(letters), "completion": " ".join(reversed(letters))}
+        )
+    return rows
+
+
+def _render_chat(prompt: str, completion: str) -> str:
+    # Same text CHAT_TEMPLATE produces; kept in sync by the tokenizer round-trip check.
+    return (
+        f"<|im_start|>user\n{prompt}<|im_end|>\n"
+        f"<|im_start|>assistant\n{completion}<|im_end|>\n"
+    )
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _train_tokenizer(corpus: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Strip the markers so BPE spends no merges on "<|", "im_start" and the like:
+    # they are added whole as special tokens anyway.
+    cleaned = []
+    for text in corpus:
+        for s in SPECIAL_TOKENS:
+            text = text.replace(s, "\n")
+        cleaned.append(text)
+    tok.train_from_iterator(cleaned, trainer=trainer)
+    return tok
+
+
+def _write_tokenizer_files(out_dir: Path, tok) -> None:
+    tok.save(str(out_dir / "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(s)): {
+            "content": s,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for s in SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(out_dir / "tokenizer_config.json", config)
+    _write_json(
+        out_dir / "special_tokens_map.json",
+        {
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+        },
+    )
+
+
+# ---------------------------------------------------------------- model
+
+
+def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: int, bos: int) -> dict:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    head_dim = 64 if hidden >= 512 and hidden % 64 == 0 else 32
+    if hidden % head_dim:
+        raise ValueError(f"hidden={hidden} must be a multiple of {head_dim}")
+    heads = hidden // head_dim
+    common = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": 3 * hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    }
+    if arch == "llama":
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            **common,
+            "head_dim": head_dim,
+            "rms_norm_eps": 1e-5,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,  # exercises the separate lm_head path
+        }
+    if arch == "qwen3":
+        return {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            **common,
+            "head_dim": head_dim,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "tie_word_embeddings": True,  # exercises the tied-embedding head path
+        }
+    return {
+        "model_type": "minicpm",
+        "architectures": ["MiniCPMForCausalLM"],
+        **common,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "scale_emb": 2.0,
+        "dim_model_base": 64,
+        "scale_depth": 1.4,
+        # Must stay untied: mlx-lm's minicpm sanitize() always adds lm_head.weight,
+        # so a tied checkpoint fails strict loading (and its tied path also skips
+        # the hidden/dim_model_base logit scaling that HF applies).
+        "tie_word_embeddings": False,
+    }
+
+
+def write_model(
+    out_dir: Path,
+    arch: str,
+    *,
+    corpus: list[str],
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 128,
+    vocab_size: int = 512,
+    extra_config: dict | None = None,
+) -> Path:
+    """Write a random-initialised `arch` model + trained BPE tokenizer into `out_dir`.
+
+    Weights come from mlx-lm's own Model class, so key names are exactly what
+    `mlx_lm.load` expects with strict loading. Returns `out_dir`.
+    """
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"refusing to write a model into non-empty folder {out_dir}")
+
+    tok = _train_tokenizer(corpus, vocab_size)
+    config = _model_config(
+        arch,
+        layers=layers,
+        hidden=hidden,
+        # The real size (specials included): BPE stops early on a small corpus.
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        eos=tok.token_to_id(EOS_TOKEN),
+        bos=tok.token_to_id(PAD_TOKEN),
+    )
+    config.update(extra_config or {})
+
+    arch_module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = arch_module.Model(arch_module.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_json(out_dir / "config.json", config)
+    _write_tokenizer_files(out_dir, tok)
+    return out_dir
+
+
+# ---------------------------------------------------------------- job
+
+
+def write_demo(
+    out_dir: Path,
+    arch: str = "qwen3",
+    *,
+    seed: int = 0,
+    n_train: int = 400,
+    n_valid: int = 40,
+    layers: int = 4,
+    hidden: int = 128,
+) -> Path:
+    """Create `out_dir` with model/, data/{train,valid}.jsonl and job.yaml.
+
+    Built in a sibling temp folder and renamed into place, so a failure never
+    leaves a half-written demo behind. Returns the path of job.yaml.
+    """
+    out_dir = Path(out_dir)
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(
+            f"{out_dir} already exists and is not empty; choose a new folder or remove it first"
+        )
+
+    train = demo_examples(n_train, seed=2 * seed)
+    # Different seed stream, and drop exact repeats so validation is held out.
+    seen = {(r["prompt"], r["completion"]) for r in train}
+    valid = [
+        r for r in demo_examples(n_valid * 2, seed=2 * seed + 1)
+        if (r["prompt"], r["completion"]) not in seen
+    ][:n_valid]
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        corpus = [_render_chat(r["prompt"], r["completion"]) for r in train]
+        write_model(tmp / "model", arch, corpus=corpus, seed=seed, layers=layers, hidden=hidden)
+        (tmp / "data").mkdir()
+        _write_jsonl(tmp / "data" / "train.jsonl", train)
+        _write_jsonl(tmp / "data" / "valid.jsonl", valid)
+        (tmp / "job.yaml").write_text(JOB_TEMPLATE.format(arch=arch), encoding="utf-8")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above); rename cannot replace a folder
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir / "job.yaml"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -1,0 +1,222 @@
+"""The training loop: one LoRA job on this machine, from a validated JobSpec.
+
+Reads top to bottom as the story of a run: load and check everything (nothing is
+written before the inputs are known good), put LoRA on the model, maybe resume,
+then step -> maybe eval -> maybe checkpoint, and save the adapter. Everything the
+run has to say goes out as telemetry events through `emit`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from schemas import events as ev
+from schemas.job import JobSpec
+
+from .data import DataError, Dataset, epoch_order, load_dataset
+from .model import ModelError, apply_lora, load_model, model_parts
+from .optim import apply_grads, make_optimizer, schedule
+from .step import StepError, eval_loss, loss_and_grads
+
+Emit = Callable[[ev.Event], None]
+GB = 1e9
+
+
+class OOMError(RuntimeError):
+    """A measured peak crossed the job's memory budget."""
+
+
+class OutputError(ValueError):
+    """The output folder cannot be used as asked."""
+
+
+def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
+        clock: Callable[[], float] = time.time) -> Path:
+    """Train `job`; returns the output folder. Raises ModelError / DataError /
+    OutputError for bad input (before anything is written) and OOMError when the
+    memory guard fires (the last checkpoint stays as it was)."""
+    out = Path(job.output)
+    ckpt = latest_checkpoint(out) if resume else None
+    if not resume and out.exists() and any(out.iterdir()):
+        raise OutputError(f"{out}: output folder is not empty (use --resume to continue it, "
+                          "or choose another output)")
+
+    # --- inputs, all checked before the first byte is written
+    model, tokenizer = load_model(job.model)
+    d = job.data
+    opts = dict(mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length, overlong=d.overlong)
+    train_set = load_dataset(d.train, tokenizer, **opts)
+    valid_set = load_dataset(d.valid, tokenizer, **opts) if d.valid else None
+    mx.random.seed(job.train.seed)
+    adapter_config = apply_lora(model, rank=job.lora.rank, scale=job.lora.scale,
+                                dropout=job.lora.dropout, num_layers=job.lora.num_layers,
+                                keys=job.lora.keys)
+    parts = model_parts(model, check=False)
+    total = job.train.iters or job.train.epochs * len(train_set)
+    lr = schedule(job.train.learning_rate, job.train.schedule, warmup=job.train.warmup, total=total)
+    optimizer = make_optimizer(lr, job.train.weight_decay)
+    start_step = 0
+    if ckpt is not None:
+        start_step = load_checkpoint(ckpt, model, optimizer)
+
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "adapter_config.json", adapter_config)
+    seg = job.memory.segment_size
+    mode = "segmented" if seg else ("grad_checkpoint" if job.memory.grad_checkpoint else "plain")
+    n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    emit(ev.Start(time=clock(), job=job.name, mode=mode, segment_size=seg, total_steps=total,
+                  resumed_from=start_step if ckpt is not None else None,
+                  train_rows=len(train_set), valid_rows=len(valid_set or []),
+                  truncated=train_set.truncated + (valid_set.truncated if valid_set else 0),
+                  skipped=train_set.skipped + (valid_set.skipped if valid_set else 0),
+                  trainable_params=n_trainable))
+
+    budget = job.memory.budget_gb
+    t_run = time.perf_counter()
+    loss = val = None
+    model.train()
+    for step in range(start_step + 1, total + 1):
+        example = example_at(train_set, job.train.seed, step - 1)
+        # The RNG is a function of (seed, step): a resumed run draws what the
+        # uninterrupted one would have.
+        mx.random.seed(job.train.seed * 1_000_003 + step)
+        phases: list[tuple[str, float]] = []
+
+        def on_phase(label: str):
+            peak = mx.get_peak_memory() / GB
+            phases.append((label, round(peak, 4)))
+            if budget and peak > budget:
+                raise OOMError(f"peak {peak:.3f} GB crossed memory.budget_gb {budget} "
+                               f"during {label} of step {step}")
+
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        loss, grads = loss_and_grads(model, example, segment_size=seg,
+                                     head_chunk=job.memory.head_chunk,
+                                     grad_checkpoint=job.memory.grad_checkpoint,
+                                     parts=parts, on_phase=on_phase)
+        grad_norm = apply_grads(model, optimizer, grads, job.train.grad_clip)
+        mx.eval(loss, grad_norm, model.trainable_parameters(), optimizer.state)
+        seconds = time.perf_counter() - tic
+        on_phase("update")
+        loss = loss.item()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}")
+        tokens = len(example.ids) - 1 - max(0, example.prompt_len - 1)
+        emit(ev.Step(time=clock(), step=step, loss=loss, tokens=tokens, seconds=seconds,
+                     tokens_per_s=tokens / seconds, lr=float(optimizer.learning_rate.item()),
+                     grad_norm=grad_norm.item(), peak_gb=mx.get_peak_memory() / GB,
+                     active_gb=mx.get_active_memory() / GB, cache_gb=mx.get_cache_memory() / GB))
+        if job.telemetry.phases:
+            emit(ev.Phase(time=clock(), step=step, phases=phases))
+        if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
+                          or step == total):
+            val = evaluate(model, parts, valid_set, job, step, emit, clock)
+        if job.train.checkpoint_every and step % job.train.checkpoint_every == 0 and step < total:
+            path = save_checkpoint(out, step, model, optimizer, adapter_config, job.train.seed)
+            emit(ev.Checkpoint(time=clock(), step=step, path=str(path)))
+
+    adapter = save_adapter(out, model)
+    emit(ev.End(time=clock(), step=total, adapter=str(adapter), final_loss=loss, val_loss=val,
+                seconds=time.perf_counter() - t_run))
+    return out
+
+
+def example_at(ds: Dataset, seed: int, position: int):
+    """The example at a global position (steps so far): epochs reshuffle by seed."""
+    n = len(ds)
+    epoch, i = divmod(position, n)
+    return ds.examples[epoch_order(n, seed, epoch)[i]]
+
+
+def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, clock) -> float:
+    tic = time.perf_counter()
+    rows = valid.examples if job.train.val_batches < 0 else valid.examples[:job.train.val_batches]
+    model.eval()
+    total = tokens = 0
+    for ex in rows:
+        loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk, parts=parts)
+        total, tokens = total + loss * n, tokens + n
+    model.train()
+    val = total / tokens
+    emit(ev.Eval(time=clock(), step=step, val_loss=val, val_tokens=tokens,
+                 seconds=time.perf_counter() - tic))
+    return val
+
+
+# ---------------------------------------------------------------- files
+
+def save_adapter(folder: Path, model) -> Path:
+    path = folder / "adapters.safetensors"
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    _atomic(path, lambda tmp: mx.save_safetensors(str(tmp), weights))
+    return path
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, adapter_config: dict,
+                    seed: int, keep: int = 3) -> Path:
+    """adapter + optimizer state + step/data position, written to a temp folder and
+    renamed into place, so a crash never leaves a half checkpoint."""
+    root = out / "checkpoints"
+    final = root / f"step-{step:07d}"
+    tmp = root / f".step-{step:07d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "adapters.safetensors"),
+                        dict(tree_flatten(model.trainable_parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    _write_json(tmp / "adapter_config.json", adapter_config)
+    # Data position is the step (the order is a function of seed and epoch);
+    # the RNG is reseeded from (seed, step) every step.
+    _write_json(tmp / "state.json", {"step": step, "data_position": step, "seed": seed,
+                                     "rng": "mx.random.seed(seed * 1000003 + step)"})
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = sorted(p for p in (out / "checkpoints").glob("step-*") if (p / "state.json").exists())
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, model, optimizer) -> int:
+    model.load_weights(list(mx.load(str(path / "adapters.safetensors")).items()), strict=False)
+    state = mx.load(str(path / "optimizer.safetensors"))
+    optimizer.state = tree_unflatten(list(state.items()))
+    mx.eval(model.parameters(), optimizer.state)
+    return int(json.loads((path / "state.json").read_text())["step"])
+
+
+def _write_json(path: Path, obj) -> None:
+    _atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")  # keeps the suffix: mx.save_* appends one
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    for p in folder.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+__all__ = ["run", "OOMError", "OutputError", "ModelError", "DataError", "StepError"]

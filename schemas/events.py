@@ -1,0 +1,85 @@
+"""Telemetry events: what the engine says while it trains, one JSON line each.
+
+A program reading the engine (the node agent, a test, a notebook) sees these and
+nothing else. Memory figures are in GB (1e9 bytes), as MLX reports them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+
+class Event(BaseModel):
+    time: float = Field(description="unix seconds")
+
+
+class Start(Event):
+    event: Literal["start"] = "start"
+    job: str
+    mode: str                      # plain | grad_checkpoint | segmented
+    segment_size: int
+    total_steps: int
+    resumed_from: Optional[int] = None
+    train_rows: int
+    valid_rows: int
+    truncated: int                 # rows cut to max_seq_length
+    skipped: int                   # rows dropped for length
+    trainable_params: int
+
+
+class Step(Event):
+    event: Literal["step"] = "step"
+    step: int
+    loss: float
+    tokens: int                    # supervised tokens this step
+    seconds: float
+    tokens_per_s: float
+    lr: float
+    grad_norm: float
+    peak_gb: float                 # since mx.reset_peak_memory() at step start
+    active_gb: float
+    cache_gb: float
+
+
+class Phase(Event):
+    event: Literal["phase"] = "phase"
+    step: int
+    phases: list[tuple[str, float]]  # (label, peak GB so far in the step), in order
+
+
+class Eval(Event):
+    event: Literal["eval"] = "eval"
+    step: int
+    val_loss: float
+    val_tokens: int
+    seconds: float
+
+
+class Checkpoint(Event):
+    event: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+
+
+class End(Event):
+    event: Literal["end"] = "end"
+    step: int
+    adapter: str
+    final_loss: Optional[float]
+    val_loss: Optional[float]
+    seconds: float
+
+
+class Error(Event):
+    event: Literal["error"] = "error"
+    kind: Literal["oom", "data", "model", "internal"]
+    message: str
+    step: Optional[int] = None
+
+
+AnyEvent = Union[Start, Step, Phase, Eval, Checkpoint, End, Error]
+
+# Exit codes of `segctl train`, so a supervisor can tell outcomes apart without parsing.
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_OOM = 0, 1, 2, 3

@@ -1,0 +1,97 @@
+"""The job spec: one LoRA fine-tuning run (`job.yaml`), as `segctl train` reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .yamlspec import load_yaml, validate
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataSpec(Strict):
+    train: str = Field(description="jsonl of training rows (text | prompt+completion | messages)")
+    valid: Optional[str] = Field(None, description="jsonl of validation rows")
+    mask_prompt: bool = Field(True, description="loss on the response only (else on every token)")
+    max_seq_length: int = Field(2048, ge=2, description="tokens per row at most")
+    overlong: Literal["truncate", "skip"] = Field(
+        "truncate", description="what happens to a longer row; counted in telemetry either way")
+
+
+class LoraSpec(Strict):
+    rank: int = Field(8, ge=1)
+    scale: float = Field(20.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    num_layers: int = Field(-1, description="last N decoder layers get LoRA; -1 = all")
+    keys: Optional[list[str]] = Field(None, description="module paths in a layer, e.g. self_attn.q_proj; "
+                                                        "default every linear")
+
+
+class TrainSpec(Strict):
+    iters: Optional[int] = Field(None, ge=1, description="optimizer steps (one row each)")
+    epochs: Optional[int] = Field(None, ge=1, description="passes over the data instead of iters")
+    learning_rate: float = Field(1e-4, gt=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup: int = Field(0, ge=0, description="linear warmup steps")
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: Optional[float] = Field(1.0, gt=0, description="global-norm clip; null = off")
+    seed: int = 0
+    eval_every: int = Field(0, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
+    val_batches: int = Field(25, description="validation rows per evaluation; -1 = all")
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = never")
+
+    @model_validator(mode="after")
+    def _one_length(self):
+        if self.iters is None and self.epochs is None:
+            raise ValueError("give either iters or epochs")
+        if self.iters is not None and self.epochs is not None:
+            raise ValueError("give iters or epochs, not both")
+        return self
+
+
+class MemorySpec(Strict):
+    segment_size: int = Field(1, ge=0, description="layers per segment; 0 = plain autodiff")
+    grad_checkpoint: bool = Field(False, description="with segment_size 0: per-layer recompute")
+    head_chunk: int = Field(512, ge=1, description="token positions per loss-head chunk")
+    budget_gb: Optional[float] = Field(None, gt=0, description="stop with an oom error past this peak")
+
+
+class TelemetrySpec(Strict):
+    phases: bool = Field(False, description="emit the peak after each phase of the segmented step")
+
+
+class JobSpec(Strict):
+    name: str = "job"
+    method: Literal["sft"] = "sft"
+    model: str = Field(description="local Hugging Face model folder")
+    output: str = Field(description="folder the adapter lands in")
+    data: DataSpec
+    lora: LoraSpec = LoraSpec()
+    train: TrainSpec
+    memory: MemorySpec = MemorySpec()
+    telemetry: TelemetrySpec = TelemetrySpec()
+
+    @model_validator(mode="after")
+    def _modes(self):
+        if self.memory.grad_checkpoint and self.memory.segment_size:
+            raise ValueError("memory.grad_checkpoint needs memory.segment_size 0")
+        return self
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Validate a job file; relative paths in it are taken from the file's folder."""
+    path = Path(path)
+    data, node = load_yaml(path)
+    job = validate(JobSpec, path, data, node)
+    base = path.resolve().parent
+    resolve = lambda p: str((base / p).resolve()) if p else p
+    return job.model_copy(update={
+        "model": resolve(job.model), "output": resolve(job.output),
+        "data": job.data.model_copy(update={"train": resolve(job.data.train),
+                                            "valid": resolve(job.data.valid)}),
+    })

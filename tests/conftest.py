@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny real models written in Hugging Face layout by our own
+demo code and loaded through mlx-lm's loader, and a runner for the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if Path(OPENBLAS).exists():
+        env.setdefault("LD_PRELOAD", OPENBLAS)
+    return env
+
+
+def segctl(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    """Run the real `segctl` CLI in a fresh process (stdout is a pipe, so events are JSON)."""
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, env=cli_env(), timeout=timeout)
+
+
+def assert_one_line_error(proc, *fragments, code=2):
+    assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert err.count("\n") == 0, err
+    for f in fragments:
+        assert f in err, (f, err)
+    return err
+
+
+def edit_job(path: Path, **sections) -> Path:
+    """Rewrite keys of a job file: edit_job(p, train={"iters": 4}, output="x")."""
+    job = yaml.safe_load(path.read_text())
+    for key, val in sections.items():
+        if isinstance(val, dict):
+            job.setdefault(key, {}).update(val)
+        else:
+            job[key] = val
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    """One `segctl init-demo` per test session (qwen3), shared read-only."""
+    d = tmp_path_factory.mktemp("demo") / "demo"
+    proc = segctl("init-demo", d)
+    assert proc.returncode == 0, proc.stderr
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> folder of a 5-layer random model in Hugging Face layout."""
+    from engine.demo import demo_examples, write_model
+    corpus = [f"{r['prompt']} {r['completion']}" for r in demo_examples(200, 1)]
+    out = {}
+    for arch in ("llama", "qwen3", "minicpm"):
+        extra = ({"layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention"],
+                  "sliding_window": 8} if arch == "llama" else None)
+        out[arch] = write_model(tmp_path_factory.mktemp(arch) / "model", arch, corpus=corpus,
+                                seed=3, layers=5, hidden=64, extra_config=extra)
+    return out
