@@ -73,6 +73,7 @@ def run(args) -> dict:
             on_phase = (lambda label: phases.append((label, mx.get_peak_memory() / 1e9))) \
                 if args.phases else None
             loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=args.head_chunk,
+                                         attn_block=args.attn_block,
                                          grad_checkpoint=args.mode == "checkpoint",
                                          parts=parts, on_phase=on_phase)
             apply_grads(model, opt, grads, 1.0)
@@ -94,6 +95,7 @@ def run(args) -> dict:
         "dim": args.dim, "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
         "segment_size": args.segment_size if args.mode == "segmented" else None,
         "head_chunk": args.head_chunk if args.impl == "segctl" else None,
+        "attn_block": args.attn_block if args.mode == "segmented" else None,
         "peak_gb": round(max(peaks), 4),
         "step_s": round(statistics.median(times[1:] if len(times) > 1 else times), 4),
         "first_step_s": round(times[0], 4),
@@ -140,6 +142,8 @@ def parse(argv=None):
     p.add_argument("--mode", default="segmented", choices=["segmented", "plain", "checkpoint"])
     p.add_argument("--segment-size", type=int, default=1)
     p.add_argument("--head-chunk", type=int, default=512)
+    p.add_argument("--attn-block", type=int, default=0,
+                   help="segmented: attention backward in blocks of this many query rows (0 = off)")
     p.add_argument("--impl", default="segctl", choices=["segctl", "mlx-lm"])
     p.add_argument("--phases", action="store_true", help="add per-phase peaks (segctl only)")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")

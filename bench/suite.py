@@ -28,8 +28,23 @@ COMPARE = [
     dict(impl="segctl", mode="segmented", segment_size=4),
 ]
 
+# Blockwise attention backward against MLX's whole-matrix one, side by side.
+BLOCKED = [
+    dict(impl="mlx-lm", mode="checkpoint"),
+    dict(impl="segctl", mode="segmented", segment_size=1),
+    dict(impl="segctl", mode="segmented", segment_size=1, attn_block=1024, phases=True),
+    dict(impl="segctl", mode="segmented", segment_size=2, attn_block=1024),
+    dict(impl="segctl", mode="segmented", segment_size=1, attn_block=4096),
+]
+
 PLANS = {
-    "cpu": [dict(CPU, seq=1024, **c) for c in COMPARE],
+    "cpu": [dict(CPU, seq=1024, **c) for c in COMPARE + BLOCKED[2:4]],
+    # the job defaults (segment_size 1, head_chunk 512, attn_block 2048) vs mlx-lm
+    "h200-default": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192, 16384)
+                     for c in (dict(impl="mlx-lm", mode="checkpoint"),
+                               dict(impl="segctl", mode="segmented", segment_size=1,
+                                    attn_block=2048))],
+    "h200-blocked": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192, 16384) for c in BLOCKED],
     "h200": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192, 16384)
              for c in COMPARE if not (c["impl"] == "segctl" and c["mode"] in ("plain", "checkpoint")
                                       and seq > 2048)],

@@ -66,19 +66,27 @@ memory:
 # ---------------------------------------------------------------- data
 
 
-def demo_examples(n: int, seed: int) -> list[dict]:
-    """`n` rows of the toy task: reverse 3-6 space-separated lowercase letters.
+# Start letters for the toy task; later letters keep completions short (1-16 letters).
+START_LETTERS = "jklmnopqrstuvwxy"
 
-    Letters separated by spaces are one BPE token each, so the model only has
-    to learn position-wise copying, which LoRA on a tiny model picks up fast.
+
+def demo_examples(n: int, seed: int) -> list[dict]:
+    """`n` rows of the toy task: "after q" -> "r s t u v w x y z".
+
+    Chosen because a random-initialised model learns it under LoRA in a few
+    hundred single-example steps: every completion token after the first is a
+    fixed function of the token before it (letter -> next letter, "z" -> end),
+    and only the first letter has to be read from the prompt. Tasks that must
+    route many letters through attention (reverse, copy, sort) stay near the
+    "some letter" loss for thousands of steps on a random model. The domain
+    is small (16 prompts), so rows repeat.
     """
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        letters = [rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6))]
-        rows.append(
-            {"prompt": "reverse: " + " ".join(letters), "completion": " ".join(reversed(letters))}
-        )
+        start = rng.choice(START_LETTERS)
+        rest = string.ascii_lowercase[string.ascii_lowercase.index(start) + 1 :]
+        rows.append({"prompt": f"after {start}", "completion": " ".join(rest)})
     return rows
 
 
@@ -254,6 +262,7 @@ def write_model(
     arch_module = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)
     model = arch_module.Model(arch_module.ModelArgs.from_dict(config))
+    _set_readout_gain(model, config)
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
 
@@ -262,6 +271,30 @@ def write_model(
     _write_json(out_dir / "config.json", config)
     _write_tokenizer_files(out_dir, tok)
     return out_dir
+
+
+# Typical |logit| of the untrained model. mlx-lm's default init gives ~1 for a tied
+# head, ~0.6 for an untied one and ~0.3 for minicpm (its head output is divided by
+# hidden/dim_model_base). LoRA leaves the final norm and head frozen, so with those
+# scales the adapters plateau at a hedging loss (measured: llama 1.4, minicpm 2.9
+# vs 0.45 at this scale after 200 steps); 1.5 keeps untrained outputs near uniform.
+LOGIT_SCALE = 1.5
+
+
+def _set_readout_gain(model, config: dict) -> None:
+    import mlx.core as mx
+
+    if config["tie_word_embeddings"]:
+        head = model.model.embed_tokens.weight
+    else:
+        head = model.lm_head.weight
+    row_norm = mx.linalg.norm(head, axis=1).mean().item()
+    if config["model_type"] == "minicpm" and not config["tie_word_embeddings"]:
+        row_norm /= config["hidden_size"] / config["dim_model_base"]
+    # The final RMSNorm output has norm sqrt(hidden) per unit gain, so a random
+    # direction gives logits of std ~ gain * row_norm.
+    norm = model.model.norm
+    norm.weight = mx.full(norm.weight.shape, LOGIT_SCALE / row_norm, dtype=norm.weight.dtype)
 
 
 # ---------------------------------------------------------------- job
@@ -290,13 +323,10 @@ def write_demo(
             f"{out_dir} already exists and is not empty; choose a new folder or remove it first"
         )
 
+    # Disjoint seed streams; the task domain is tiny, so valid measures fit, not
+    # generalisation.
     train = demo_examples(n_train, seed=2 * seed)
-    # Different seed stream, and drop exact repeats so validation is held out.
-    seen = {(r["prompt"], r["completion"]) for r in train}
-    valid = [
-        r for r in demo_examples(n_valid * 2, seed=2 * seed + 1)
-        if (r["prompt"], r["completion"]) not in seen
-    ][:n_valid]
+    valid = demo_examples(n_valid, seed=2 * seed + 1)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -39,14 +39,19 @@ def plan_segments(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
 
 
 def loss_and_grads(model: nn.Module, example: Example, *, segment_size: int,
-                   head_chunk: int = 512, grad_checkpoint: bool = False,
+                   head_chunk: int = 512, attn_block: int = 0, grad_checkpoint: bool = False,
                    parts: ModelParts | None = None, on_phase: PhaseHook | None = None):
-    """(loss, grads) for one example; grads keyed like tree_flatten(trainable_parameters())."""
+    """(loss, grads) for one example; grads keyed like tree_flatten(trainable_parameters()).
+
+    attn_block (segmented only): when the sequence is longer, each layer's
+    attention backward walks blocks of this many query rows (engine/attention.py);
+    0 leaves attention to MLX's whole-matrix backward.
+    """
     ids, start = _span(example)
     if segment_size == 0:
         return _plain(model, ids, start, grad_checkpoint, parts, on_phase)
     parts = parts or model_parts(model, check=False)
-    return _segmented(model, parts, ids, start, segment_size, head_chunk, on_phase)
+    return _segmented(model, parts, ids, start, segment_size, head_chunk, attn_block, on_phase)
 
 
 def eval_loss(model: nn.Module, example: Example, *, head_chunk: int = 512,
@@ -159,25 +164,26 @@ def _checkpointed(layer: nn.Module):
 
 # ---------------------------------------------------------------- segmented
 
-def _segmented(model, parts, ids, start, segment_size, head_chunk, on_phase):
+def _segmented(model, parts, ids, start, segment_size, head_chunk, attn_block, on_phase):
     phase = on_phase or (lambda label: None)
-    segments = plan_segments(len(parts.layers), segment_size)
+    layers = parts.layers
+    segments = plan_segments(len(layers), segment_size)
     names = _trainable_names(model)
-    seg_params = [_segment_params(parts.layers, lo, hi) for lo, hi in segments]
-    _check_all_trainables_in_layers(names, seg_params)
+    params = [_layer_params(layer, i) for i, layer in enumerate(layers)]
+    _check_all_trainables_in_layers(names, params)
+    blocked = 0 < attn_block < ids.shape[0] - 1
 
     # Forward: keep only the boundaries. A boundary evaluated outside any
     # transform is a graph-free leaf, so each segment's activations die with it.
-    # Each segment runs under a seed of its own, reseeded for its recompute, so
-    # LoRA dropout draws the same masks in both passes.
+    # Layer i always runs under seed base+i (here and in every recompute), so
+    # LoRA dropout draws the same masks in each pass.
     base_seed = mx.random.randint(0, 2**30, shape=()).item()
     h = parts.embed(ids[None, :-1])
     masks = parts.masks(h)
     mx.eval(h)
     boundaries = [h]
     for k, (lo, hi) in enumerate(segments):
-        mx.random.seed(base_seed + k)
-        h = _run_layers(parts.layers, lo, hi, h, masks)
+        h = _run_layers(layers, lo, hi, h, masks, base_seed)
         mx.eval(h)
         boundaries.append(h)
         phase(f"fwd{k}")
@@ -190,27 +196,52 @@ def _segmented(model, parts, ids, start, segment_size, head_chunk, on_phase):
     grads = {}
     for k in reversed(range(len(segments))):
         lo, hi = segments[k]
-        pnames, pvalues = seg_params[k]
-        mx.random.seed(base_seed + k)
+        h_in = boundaries.pop()
+        if blocked:
+            dh = _segment_backward_blocked(layers, masks, params, lo, hi, h_in, dh, grads,
+                                           attn_block, base_seed)
+        else:
+            seg = [p for i in range(lo, hi) for p in params[i]]
 
-        def seg_fn(h_in, *values):
-            _set_params(parts.layers, pnames, values)
-            return [_run_layers(parts.layers, lo, hi, h_in, masks)]
+            def seg_fn(x, *values):
+                _set_params(layers, seg, values)
+                return [_run_layers(layers, lo, hi, x, masks, base_seed)]
 
-        _, cotangents = mx.vjp(seg_fn, [boundaries[k], *pvalues], [dh])
-        _set_params(parts.layers, pnames, pvalues)  # drop the tracers from the modules
-        dh = cotangents[0] if k > 0 else None        # no LoRA on the embedding
-        seg_grads = dict(zip((n for n, _ in pnames), cotangents[1:]))
-        mx.eval(dh, list(seg_grads.values()))        # one barrier per segment
-        grads.update(seg_grads)
-        boundaries.pop()
+            values = [v for _, _, _, v in seg]
+            _, cots = mx.vjp(seg_fn, [h_in, *values], [dh])
+            _set_params(layers, seg, values)  # drop the tracers from the modules
+            dh = cots[0]
+            grads.update((name, g) for (name, _, _, _), g in zip(seg, cots[1:]))
+        if k == 0:
+            dh = None  # no LoRA on the embedding
+        mx.eval(dh, [grads[name] for i in range(lo, hi) for name, _, _, _ in params[i]])
         phase(f"bwd{k}")
-    mx.random.seed(base_seed + len(segments))
+    mx.random.seed(base_seed + len(layers))
     return loss, {n: grads[n] for n in names}
 
 
-def _run_layers(layers, lo, hi, h, masks):
+def _segment_backward_blocked(layers, masks, params, lo, hi, h_in, dh, grads, block, base_seed):
+    """A segment's backward one layer at a time, each with blockwise attention."""
+    from .attention import layer_vjp
+
+    xs = [h_in]  # inputs of the segment's layers, recomputed (segment-sized memory)
+    for i in range(lo, hi - 1):
+        xs.append(_run_layers(layers, i, i + 1, xs[-1], masks, base_seed))
+        mx.eval(xs[-1])
+    for i in reversed(range(lo, hi)):
+        p = params[i]
+        values = [v for _, _, _, v in p]
+        dh, gs = layer_vjp(layers[i], masks[i], xs.pop(), values, dh,
+                           lambda vals, p=p: _set_params(layers, p, vals), block, base_seed + i)
+        _set_params(layers, p, values)
+        grads.update((name, g) for (name, _, _, _), g in zip(p, gs))
+        mx.eval(dh, list(gs))
+    return dh
+
+
+def _run_layers(layers, lo, hi, h, masks, base_seed):
     for i in range(lo, hi):
+        mx.random.seed(base_seed + i)
         h = layers[i](h, masks[i])
     return h
 
@@ -219,26 +250,22 @@ def _trainable_names(model) -> list[str]:
     return [n for n, _ in tree_flatten(model.trainable_parameters())]
 
 
-def _segment_params(layers, lo, hi):
-    """([(global name, (layer index, local name))], values) of segment [lo, hi)'s trainables."""
-    pnames, values = [], []
-    for i in range(lo, hi):
-        for local, v in tree_flatten(layers[i].trainable_parameters()):
-            pnames.append((f"model.layers.{i}.{local}", (i, local)))
-            values.append(v)
-    return pnames, values
+def _layer_params(layer, i):
+    """[(global name, layer index, local name, value)] of layer i's trainables."""
+    return [(f"model.layers.{i}.{local}", i, local, v)
+            for local, v in tree_flatten(layer.trainable_parameters())]
 
 
-def _set_params(layers, pnames, values):
+def _set_params(layers, plist, values):
     by_layer: dict[int, list] = {}
-    for (_, (i, local)), v in zip(pnames, values):
+    for (_, i, local, _), v in zip(plist, values):
         by_layer.setdefault(i, []).append((local, v))
     for i, items in by_layer.items():
         layers[i].update(tree_unflatten(items))
 
 
-def _check_all_trainables_in_layers(names, seg_params):
-    inside = {n for pnames, _ in seg_params for n, _ in pnames}
+def _check_all_trainables_in_layers(names, params):
+    inside = {name for p in params for name, _, _, _ in p}
     outside = [n for n in names if n not in inside]
     if outside:
         raise StepError(f"segmented step trains decoder layers only; {outside[0]} is outside them "

@@ -103,6 +103,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         tic = time.perf_counter()
         loss, grads = loss_and_grads(model, example, segment_size=seg,
                                      head_chunk=job.memory.head_chunk,
+                                     attn_block=job.memory.attn_block,
                                      grad_checkpoint=job.memory.grad_checkpoint,
                                      parts=parts, on_phase=on_phase)
         grad_norm = apply_grads(model, optimizer, grads, job.train.grad_clip)

@@ -58,6 +58,8 @@ class MemorySpec(Strict):
     segment_size: int = Field(1, ge=0, description="layers per segment; 0 = plain autodiff")
     grad_checkpoint: bool = Field(False, description="with segment_size 0: per-layer recompute")
     head_chunk: int = Field(512, ge=1, description="token positions per loss-head chunk")
+    attn_block: int = Field(2048, ge=0, description="segmented: on rows longer than this, attention "
+                                                    "backward in blocks of this many query rows; 0 = off")
     budget_gb: Optional[float] = Field(None, gt=0, description="stop with an oom error past this peak")
 
 

@@ -30,7 +30,10 @@ def test_segment_size_one_peaks_below_plain_and_checkpoint():
     ckpt = peak_of(model, ex, segment_size=0, grad_checkpoint=True)
     seg1 = peak_of(model, ex, segment_size=1, head_chunk=128)
     seg4 = peak_of(model, ex, segment_size=4, head_chunk=128)
-    print(f"peak GB plain {plain:.3f} checkpoint {ckpt:.3f} seg1 {seg1:.3f} seg4 {seg4:.3f}")
+    blocked = peak_of(model, ex, segment_size=1, head_chunk=128, attn_block=128)
+    print(f"peak GB plain {plain:.3f} checkpoint {ckpt:.3f} seg1 {seg1:.3f} seg4 {seg4:.3f} "
+          f"seg1+attn_block {blocked:.3f}")
     assert seg1 < 0.75 * plain
     assert seg1 < ckpt
     assert seg1 <= seg4
+    assert blocked < seg1

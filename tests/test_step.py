@@ -46,11 +46,14 @@ def test_segmented_and_checkpoint_equal_plain(tiny_models, arch):
         loss0, ref = loss_and_grads(model, ex, segment_size=0)
         assert list(ref) == names
         assert all(mx.max(mx.abs(g)).item() > 0 for g in ref.values())
-        # 5 layers: sizes 1, 2 and 3 (3 does not divide 5), with small and large head chunks
-        for seg, chunk in ((1, 512), (2, 7), (3, 1), (5, 16)):
-            loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=chunk)
+        # 5 layers: sizes 1, 2 and 3 (3 does not divide 5), small and large head
+        # chunks, and attention backward in blocks of 7 and 16 query rows
+        for seg, chunk, block in ((1, 512, 0), (2, 7, 0), (3, 1, 0), (5, 16, 0),
+                                  (1, 512, 7), (3, 5, 16)):
+            loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=chunk,
+                                         attn_block=block)
             assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
-            assert worst_rel_error(grads, ref) <= TOL, (arch, seg, chunk)
+            assert worst_rel_error(grads, ref) <= TOL, (arch, seg, chunk, block)
         loss, grads = loss_and_grads(model, ex, segment_size=0, grad_checkpoint=True)
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
         assert worst_rel_error(grads, ref) <= TOL
@@ -70,12 +73,15 @@ def test_loss_is_mean_cross_entropy_of_the_response(tiny_models):
         assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
-def test_checkpoint_mode_patches_nothing(tiny_models):
+def test_checkpoint_and_blocked_attention_patch_nothing(tiny_models):
+    import mlx_lm.models.qwen3 as qwen3
     model = lora_model(tiny_models["qwen3"])
     cls = type(model.layers[0])
-    before = cls.__call__
-    loss_and_grads(model, random_example(model.args.vocab_size), segment_size=0, grad_checkpoint=True)
-    assert cls.__call__ is before
+    before, sdpa = cls.__call__, qwen3.scaled_dot_product_attention
+    ex = random_example(model.args.vocab_size)
+    loss_and_grads(model, ex, segment_size=0, grad_checkpoint=True)
+    loss_and_grads(model, ex, segment_size=2, attn_block=8)
+    assert cls.__call__ is before and qwen3.scaled_dot_product_attention is sdpa
 
 
 def test_segmented_reports_every_phase(tiny_models):
