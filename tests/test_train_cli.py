@@ -159,7 +159,7 @@ def test_overlong_rows_are_counted_not_silent(demo_dir, tmp_path):
 
 def test_response_cut_away_by_truncation_is_a_row_error(demo_dir, tmp_path):
     job = bad_data_job(demo_dir, tmp_path, GOOD + '{"prompt": "' + "x " * 80 + '", "completion": "y"}\n',
-                       data={"max_seq_length": 16})
+                       data={"max_seq_length": 48})
     assert_one_line_error(segctl("train", job), "train.jsonl:2:", "no response tokens")
     assert not (tmp_path / "out").exists()
 
