@@ -73,24 +73,19 @@ def _check(cache, sinks):
 
 
 def _recording(box):
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-        _check(cache, sinks)
-
-        @mx.custom_function
-        def attn(q, k, v):
-            return _fused(q, k, v, scale, mask)
-
-        @attn.vjp
-        def attn_vjp(primals, cotangent, output):
-            q, k, v = primals
-            box.update(q=q, k=k, v=v, d_out=_first(cotangent), mask=mask, scale=scale)
-            return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
-
-        return attn(queries, keys, values)
-    return sdpa
+    def record(primals, cotangent, mask, scale):
+        q, k, v = primals
+        box.update(q=q, k=k, v=v, d_out=_first(cotangent), mask=mask, scale=scale)
+        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+    return _with_vjp(record)
 
 
 def _replaying(grads):
+    return _with_vjp(lambda primals, cotangent, mask, scale: grads)
+
+
+def _with_vjp(backward):
+    """An sdpa with the fused forward and `backward` as its vjp."""
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         _check(cache, sinks)
 
@@ -100,7 +95,7 @@ def _replaying(grads):
 
         @attn.vjp
         def attn_vjp(primals, cotangent, output):
-            return grads
+            return backward(primals, cotangent, mask, scale)
 
         return attn(queries, keys, values)
     return sdpa

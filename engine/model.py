@@ -139,7 +139,7 @@ def forward_parts(parts: ModelParts, ids: mx.array) -> mx.array:
 def _check_parts(model, parts: ModelParts, name: str) -> None:
     # Compare our composition against the model's own forward on a short input:
     # a family that inserts extra work between its layers shows up here.
-    vocab = parts.layers and model.args.vocab_size
+    vocab = model.args.vocab_size
     ids = mx.array([[(7 * i + 3) % vocab for i in range(6)]])
     try:
         ours = forward_parts(parts, ids).astype(mx.float32)
