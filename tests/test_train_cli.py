@@ -191,3 +191,23 @@ def test_output_in_use_needs_resume(demo_dir, tmp_path):
     job = copy_demo(demo_dir, tmp_path)
     write(tmp_path / "out" / "something", "x")
     assert_one_line_error(segctl("train", job), "not empty", "--resume")
+
+
+def test_epochs_constant_schedule_and_phase_telemetry(demo_dir, tmp_path):
+    job = bad_data_job(demo_dir, tmp_path, GOOD * 5,
+                       train={"iters": None, "epochs": 2, "schedule": "constant", "warmup": 2,
+                              "learning_rate": 1e-3, "checkpoint_every": 0, "eval_every": 0},
+                       memory={"segment_size": 2}, telemetry={"phases": True})
+    proc = segctl("train", job)
+    assert proc.returncode == 0, proc.stderr
+    evs = [json.loads(l) for l in proc.stdout.splitlines()]
+    steps = [e for e in evs if e["event"] == "step"]
+    assert len(steps) == 10  # 2 epochs x 5 rows
+    assert [round(s["lr"], 6) for s in steps[:4]] == [0.0, 0.0005, 0.001, 0.001]
+    assert all(s["lr"] == pytest.approx(1e-3) for s in steps[2:])
+    phases = [e for e in evs if e["event"] == "phase"]
+    assert len(phases) == 10
+    labels = [label for label, _ in phases[0]["phases"]]
+    assert labels == ["fwd0", "fwd1", "head", "bwd1", "bwd0", "update"]  # 4 layers, segments of 2
+    peaks = [p for _, p in phases[0]["phases"]]
+    assert peaks == sorted(peaks)  # the peak is monotone within a step
