@@ -36,9 +36,8 @@ def layer_vjp(layer, mask, h, params, dh, set_params, block: int, seed: int):
 
     box: dict = {}
     with _swapped(layer, _recording(box)):
-        mx.vjp(fn, [h, *params], [dh])
-    if "q" not in box:  # the layer called no attention we know: plain vjp
         _, cots = mx.vjp(fn, [h, *params], [dh])
+    if "q" not in box:  # no attention was swapped, so the record pass is the plain vjp
         return cots[0], cots[1:]
     q, k, v, d_out = box["q"], box["k"], box["v"], box["d_out"]
     mx.eval(q, k, v, d_out)
