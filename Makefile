@@ -27,12 +27,20 @@ openblas:
 	    || echo "note: could not install libopenblas0-pthread; MLX's CPU BLAS will be slower"; \
 	fi
 
+# The demo sweep on the embedded default: Ray on this machine as a one-node fleet,
+# stores in $(DEMO)/home (state.db, telemetry/, memory.zarr, adapters.zarr).
 demo: install
+	@$(RUN) SEGCTL_HOME=$(CURDIR)/$(DEMO)/home $(BIN)/segctl cluster down >/dev/null 2>&1 || true
 	@rm -rf $(DEMO)
 	$(RUN) $(BIN)/segctl init-demo $(DEMO)
-	$(RUN) $(BIN)/segctl train $(DEMO)/job.yaml
-	@echo "adapter: $(DEMO)/adapters/ (mlx_lm.load('$(DEMO)/model', adapter_path='$(DEMO)/adapters'))"
-	@echo "telemetry: $(DEMO)/adapters/events.jsonl"
+	$(RUN) SEGCTL_HOME=$(CURDIR)/$(DEMO)/home $(BIN)/segctl submit $(DEMO)/sweep.yaml; \
+	  rc=$$?; \
+	  $(RUN) SEGCTL_HOME=$(CURDIR)/$(DEMO)/home $(BIN)/segctl gather demo-1 --out $(DEMO)/best --best 2 \
+	    && $(RUN) SEGCTL_HOME=$(CURDIR)/$(DEMO)/home $(BIN)/segctl status demo-1; \
+	  $(RUN) SEGCTL_HOME=$(CURDIR)/$(DEMO)/home $(BIN)/segctl cluster down >/dev/null; \
+	  echo "adapters:  $(DEMO)/best/<trial>/ (mlx_lm.load('$(DEMO)/model', adapter_path='$(DEMO)/best/<trial>')), manifest $(DEMO)/best/manifest.json"; \
+	  echo "telemetry: $(DEMO)/home/telemetry/ (Parquet by sweep), $(DEMO)/home/memory.zarr, $(DEMO)/home/state.db"; \
+	  exit $$rc
 
 test: install
 	$(RUN) $(BIN)/python -m pytest -q

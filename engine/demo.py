@@ -63,6 +63,20 @@ memory:
 """
 
 
+SWEEP_TEMPLATE = """\
+# segctl sweep over the demo job: `segctl plan sweep.yaml`, then `segctl submit sweep.yaml`
+name: demo
+base: job.yaml
+grid:                          # 2 x 2 = 4 trials, each a shorter run than job.yaml's
+  train.learning_rate: [1.0e-4, 2.0e-4]
+  lora.rank: [4, 8]
+  train.iters: [150]
+concurrency: 4
+retries: 2
+priority: 0
+"""
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -343,6 +357,7 @@ def write_demo(
         _write_jsonl(tmp / "data" / "train.jsonl", train)
         _write_jsonl(tmp / "data" / "valid.jsonl", valid)
         (tmp / "job.yaml").write_text(JOB_TEMPLATE.format(arch=arch), encoding="utf-8")
+        (tmp / "sweep.yaml").write_text(SWEEP_TEMPLATE, encoding="utf-8")
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above); rename cannot replace a folder
         tmp.rename(out_dir)

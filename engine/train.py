@@ -44,6 +44,10 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     """Train `job`; returns the output folder. Raises ModelError / DataError /
     OutputError for bad input (before anything is written) and OOMError when the
     memory guard fires (the last checkpoint stays as it was)."""
+    if job.output is None:
+        raise OutputError("output: required key is missing (where the adapter lands)")
+    if job.memory.segment_size == "auto":
+        raise OutputError("memory.segment_size: 'auto' must be resolved by the planner first")
     out = Path(job.output)
     ckpt = latest_checkpoint(out) if resume else None
     if not resume and out.exists() and any(out.iterdir()):
@@ -133,6 +137,40 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     return out
 
 
+def run_reported(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
+                 clock: Callable[[], float] = time.time, debug: bool = False) -> tuple[int, str]:
+    """`run`, with every way it can end turned into an exit code and, on failure, an
+    Error event: (0, "") done, (2, msg) bad input, (3, msg) memory guard, (1, msg) a
+    bug of ours. `segctl train` and the node's worker process both end this way."""
+    last = {"step": None}
+
+    def tracked(event):
+        if isinstance(event, ev.Step):
+            last["step"] = event.step
+        emit(event)
+
+    def error(kind: str, message: str, code: int) -> tuple[int, str]:
+        emit(ev.Error(time=clock(), kind=kind, message=message, step=last["step"]))
+        return code, message
+
+    try:
+        run(job, resume=resume, emit=tracked, clock=clock)
+    except ModelError as e:
+        return error("model", str(e), ev.EXIT_BAD_INPUT)
+    except (DataError, StepError, OutputError) as e:
+        return error("data", str(e), ev.EXIT_BAD_INPUT)
+    except OOMError as e:
+        return error("oom", str(e), ev.EXIT_OOM)
+    except KeyboardInterrupt:
+        return error("internal", "interrupted", 130)
+    except Exception as e:  # a bug of ours: one line, the trace only when debugging
+        if debug:
+            import traceback
+            traceback.print_exc()
+        return error("internal", f"internal error: {type(e).__name__}: {e}", ev.EXIT_INTERNAL)
+    return ev.EXIT_OK, ""
+
+
 def example_at(ds: Dataset, seed: int, position: int):
     """The example at a global position (steps so far): epochs reshuffle by seed."""
     n = len(ds)
@@ -220,4 +258,4 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(f.fileno())
 
 
-__all__ = ["run", "OOMError", "OutputError", "ModelError", "DataError", "StepError"]
+__all__ = ["run", "run_reported", "OOMError", "OutputError", "ModelError", "DataError", "StepError"]

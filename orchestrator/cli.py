@@ -7,16 +7,17 @@ traceback unless SEGCTL_DEBUG=1.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import click
 
 from schemas import SpecError
 from schemas import events as ev
+
+from . import views
 
 
 def _fail(message: str, code: int = ev.EXIT_BAD_INPUT):
@@ -55,15 +56,22 @@ def init_demo(directory: Path, arch: str, seed: int):
 @main.command()
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 def validate(spec: Path):
-    """Check a job file without running anything (exit 2 and one line per problem)."""
-    from schemas.job import load_job
+    """Check a job, sweep or cluster file without running or writing anything
+    (exit 2 and one `file:line: key: message` per problem)."""
+    from schemas.spec import load_spec
+    kind, obj = _load(load_spec, spec)
+    what = {"job": "job", "sweep": f"sweep of {len(getattr(obj, 'trials', []))} trials",
+            "cluster": f"cluster of {len(getattr(obj, 'nodes', []))} nodes"}[kind]
+    click.echo(f"{spec}: ok ({what})")
+
+
+def _load(loader, path):
     try:
-        load_job(spec)
+        return loader(path)
     except SpecError as e:
         for line in e.problems:
             click.echo(line, err=True)
         sys.exit(ev.EXIT_BAD_INPUT)
-    click.echo(f"{spec}: ok")
 
 
 @main.command()
@@ -82,10 +90,7 @@ def train(job_file: Path, resume: bool, as_json: bool):
     """
     from schemas.job import load_job
     from engine import telemetry
-    from engine.data import DataError
-    from engine.model import ModelError
-    from engine.step import StepError
-    from engine.train import OOMError, OutputError, run
+    from engine.train import run_reported
 
     try:
         job = load_job(job_file)
@@ -93,36 +98,425 @@ def train(job_file: Path, resume: bool, as_json: bool):
         for line in e.problems:
             click.echo(line, err=True)
         sys.exit(ev.EXIT_BAD_INPUT)
+    if job.output is None:
+        _fail(f"{job_file}: output: required key is missing (segctl train writes the adapter there)")
+    job = _resolve_auto(job, job_file)
 
     screen = telemetry.json_lines(sys.stdout) if as_json else telemetry.for_terminal()
     emit = telemetry.fan_out(screen, telemetry.events_file(lambda: job.output))
-    step = {"n": None}
-
-    def tracked(event):
-        if isinstance(event, ev.Step):
-            step["n"] = event.step
-        emit(event)
-
-    def error(kind, message, code):
-        emit(ev.Error(time=time.time(), kind=kind, message=message, step=step["n"]))
+    code, message = run_reported(job, resume=resume, emit=emit,
+                                 debug=bool(os.environ.get("SEGCTL_DEBUG")))
+    if code:
         _fail(message, code)
 
+
+def _resolve_auto(job, job_file):
+    """`segment_size: auto` under `segctl train`: plan against this machine's memory
+    (or memory.budget_gb when set)."""
+    if job.memory.segment_size != "auto":
+        return job
+    from node.probe import probe
+    from orchestrator import planner
+    budget = job.memory.budget_gb or probe().memory_gb
+    info = planner.model_info(job.model)
+    plan = planner.plan(info, job, seq_len=planner.longest_row(job), budget_gb=budget)
+    if not plan.fits:
+        _fail(f"{job_file}: memory.segment_size: auto: {plan.reason}")
+    click.echo(f"segment_size auto -> {plan.segment_size} (predicted peak {plan.predicted_gb:.2f} GB "
+               f"of {budget:g} GB)", err=True)
+    return job.model_copy(update={"memory": job.memory.model_copy(
+        update={"segment_size": plan.segment_size})})
+
+
+# ==================================================================== the fleet
+
+cluster_option = click.option(
+    "--cluster", "cluster_file", envvar="SEGCTL_CLUSTER",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="the fleet's cluster.yaml [env SEGCTL_CLUSTER]; without it: this machine alone, "
+         "stores under $SEGCTL_HOME (default ~/.segctl)")
+
+
+def _cluster(cluster_file):
+    if cluster_file is None:
+        return None
+    from schemas.cluster import load_cluster
+    return _load(load_cluster, cluster_file)
+
+
+def _root(spec) -> Path:
+    from orchestrator.fleet import stores_root
+    return stores_root(spec)
+
+
+def _head(spec, *, start: bool):
+    """Connect to the fleet (bringing the embedded one up when allowed) and get the head."""
+    from orchestrator import fleet
+    from orchestrator.head import get_head
     try:
-        run(job, resume=resume, emit=tracked)
-    except (ModelError,) as e:
-        error("model", str(e), ev.EXIT_BAD_INPUT)
-    except (DataError, StepError) as e:
-        error("data", str(e), ev.EXIT_BAD_INPUT)
-    except OutputError as e:
-        error("data", str(e), ev.EXIT_BAD_INPUT)
-    except OOMError as e:
-        error("oom", str(e), ev.EXIT_OOM)
+        fleet.connect(spec, start=start)
+        return get_head(_root(spec), create=True)
+    except (ConnectionError, RuntimeError, TimeoutError) as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, ev.EXIT_INTERNAL)
+
+
+def _knobs(spec) -> dict:
+    return spec.planner.model_dump() if spec is not None and spec.planner else {}
+
+
+def _payload(sweep_file, spec):
+    """Validate the sweep and everything it names; exit 2 before anything is written."""
+    from engine.data import DataError
+    from orchestrator.submit import prepare
+    from schemas.spec import load_spec
+    from schemas.sweep import load_sweep, single_job_sweep
+    kind, _ = _load(load_spec, sweep_file)
+    if kind == "cluster":
+        _fail(f"{sweep_file}: this is a cluster file; submit a sweep or a job file")
+    sweep = _load(single_job_sweep if kind == "job" else load_sweep, sweep_file)
+    try:
+        return prepare(sweep, _knobs(spec))
+    except (ValueError, DataError, OSError) as e:
+        _fail(f"{sweep_file}: {e}")
+
+
+def _status(root: Path, sid: str | None) -> list[dict]:
+    from orchestrator import state
+    try:
+        con = state.read(root / "state.db")
+        return state.sweep_status(con, sid)
+    except (FileNotFoundError, KeyError) as e:
+        _fail(str(e).strip("'\""))
+
+
+@main.command()
+@click.argument("sweep_file", metavar="SWEEP.yaml", type=click.Path(dir_okay=False, path_type=Path))
+@cluster_option
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+def plan(sweep_file: Path, cluster_file, as_json: bool):
+    """List a sweep's trials and, per node class, the segment size the planner
+    picks and its predicted peak, or "does not fit". Runs nothing."""
+    from orchestrator.submit import plan_rows
+    spec = _cluster(cluster_file)
+    payload = _payload(sweep_file, spec)
+    rows = plan_rows(payload, _declared_nodes(spec))
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        from rich.console import Console
+        Console().print(views.plan_table(rows))
+
+
+def _declared_nodes(spec):
+    from node.probe import default_name, probe
+    from schemas.records import NodeInfo
+    if spec is None:
+        hw = probe()
+        return [NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb, os=hw.os)]
+    return [NodeInfo(name=n.name, chip=n.chip, memory_gb=n.memory_gb, labels=n.labels or {})
+            for n in spec.nodes]
+
+
+@main.command()
+@click.argument("sweep_file", metavar="SWEEP.yaml", type=click.Path(dir_okay=False, path_type=Path))
+@cluster_option
+@click.option("--detach", is_flag=True, help="print the sweep id and return; the sweep goes on")
+@click.option("--json", "as_json", is_flag=True, help="transitions as JSON lines, not a table")
+def submit(sweep_file: Path, cluster_file, detach: bool, as_json: bool):
+    """Run a sweep (or a single job) on the fleet.
+
+    \b
+    Everything is validated first: a bad file, key, model or data row exits 2
+    with one line per problem and nothing is written. Without --cluster, Ray
+    starts on this machine (one node, its real memory) and the stores live in
+    $SEGCTL_HOME (default ~/.segctl). Without --detach a live table follows the
+    trials to the end (Ctrl-C leaves the sweep running). Exit 0 when every
+    trial succeeded, 1 otherwise.
+    """
+    import ray
+    spec = _cluster(cluster_file)
+    payload = _payload(sweep_file, spec)
+    head = _head(spec, start=True)
+    sid = ray.get(head.submit.remote(payload))
+    if detach:
+        click.echo(sid)
+        return
+    click.echo(f"sweep {sid}: {len(payload['trials'])} trials", err=True)
+    sys.exit(_follow(_root(spec), sid, as_json))
+
+
+def _follow(root: Path, sid: str, as_json: bool) -> int:
+    """Show the sweep until it stops running; the exit code says how it went."""
+    import time as _time
+    from orchestrator import state
+    con = state.read(root / "state.db")
+    seen = 0
+    live = None
+    if not as_json and sys.stdout.isatty():
+        from rich.live import Live
+        live = Live(refresh_per_second=2)
+        live.start()
+    try:
+        while True:
+            [sw] = state.sweep_status(con, sid)
+            if live:
+                live.update(views.trials_table(sw))
+            else:
+                rows = con.execute("SELECT * FROM events WHERE sweep = ? AND id > ? ORDER BY id",
+                                   (sid, seen)).fetchall()
+                for r in rows:
+                    seen = r["id"]
+                    click.echo(json.dumps(dict(r)) if as_json else views.transition_line(dict(r)))
+            if sw["state"] != "RUNNING":
+                break
+            _time.sleep(0.5)
     except KeyboardInterrupt:
-        error("internal", "interrupted", 130)
-    except Exception as e:  # a bug of ours: say so in one line, keep the trace for debugging
-        if os.environ.get("SEGCTL_DEBUG"):
-            traceback.print_exc()
-        error("internal", f"internal error: {type(e).__name__}: {e}", ev.EXIT_INTERNAL)
+        click.echo(f"\nleft sweep {sid} running: segctl status {sid}", err=True)
+        return 130
+    finally:
+        if live:
+            live.stop()
+    failed = [t for t in sw["trials"] if t["state"] != "SUCCEEDED"]
+    click.echo(f"sweep {sid} {sw['state'].lower()}: {len(sw['trials']) - len(failed)} of "
+               f"{len(sw['trials'])} trials succeeded; stores in {root}", err=True)
+    return 0 if not failed else 1
+
+
+@main.command()
+@click.argument("sweep", required=False)
+@cluster_option
+@click.option("--json", "as_json", is_flag=True, help="JSON: per sweep, per trial: state and "
+              "attempts (node, segment_size, outcome, peak_gb, ...)")
+def status(sweep, cluster_file, as_json: bool):
+    """Show sweeps (all, or SWEEP) and their trials, from the head's state.db."""
+    sweeps = _status(_root(_cluster(cluster_file)), sweep)
+    if as_json:
+        click.echo(json.dumps(sweeps, indent=2))
+        return
+    from rich.console import Console
+    console = Console()
+    if not sweeps:
+        console.print("no sweeps yet: segctl submit SWEEP.yaml")
+    for sw in sweeps:
+        console.print(views.trials_table(sw))
+
+
+@main.command()
+@click.argument("trial")
+@cluster_option
+@click.option("-f", "--follow", is_flag=True, help="keep printing until the trial finishes")
+def logs(trial, cluster_file, follow: bool):
+    """A trial's story: its transitions and each attempt's engine events."""
+    import time as _time
+    from orchestrator import state
+    from orchestrator.stores import Stores
+    root = _root(_cluster(cluster_file))
+    try:
+        con = state.read(root / "state.db")
+    except FileNotFoundError as e:
+        _fail(str(e))
+    if con.execute("SELECT 1 FROM trials WHERE id = ?", (trial,)).fetchone() is None:
+        _fail(f"no trial named {trial!r} (segctl status lists them)")
+    stores = Stores(root)
+    last_event, last_seq = 0, {}
+    while True:
+        for e in state.trial_events(con, trial, last_event):
+            last_event = e["id"]
+            click.echo(views.transition_line(e))
+        for a in con.execute("SELECT id FROM attempts WHERE trial = ? ORDER BY id", (trial,)):
+            for e in stores.events(a["id"], last_seq.get(a["id"], -1)):
+                last_seq[a["id"]] = e["seq"]
+                click.echo(views.engine_line(e))
+        st = con.execute("SELECT state FROM trials WHERE id = ?", (trial,)).fetchone()["state"]
+        if not follow or state.is_terminal(st):
+            break
+        _time.sleep(0.5)
+
+
+@main.command()
+@click.argument("target", metavar="SWEEP|TRIAL")
+@cluster_option
+def cancel(target, cluster_file):
+    """Cancel a whole sweep or one trial; running attempts are stopped."""
+    import ray
+    head = _head(_cluster(cluster_file), start=False)
+    try:
+        done = ray.get(head.cancel.remote(target))
+    except KeyError as e:
+        _fail(str(e).strip("'\""))
+    except ray.exceptions.RayTaskError as e:
+        _fail(str(e.cause) if getattr(e, "cause", None) else str(e).splitlines()[-1])
+    click.echo(f"cancelled {len(done)} trial(s)" + (f": {', '.join(done)}" if done else ""))
+
+
+@main.command()
+@click.argument("sweep")
+@cluster_option
+@click.option("--detach", is_flag=True, help="return at once; the sweep goes on")
+@click.option("--json", "as_json", is_flag=True, help="transitions as JSON lines")
+def resume(sweep, cluster_file, detach: bool, as_json: bool):
+    """Continue a sweep after the head restarted. Finished trials are never rerun;
+    interrupted ones continue from their last checkpoint."""
+    import ray
+    spec = _cluster(cluster_file)
+    head = _head(spec, start=True)
+    try:
+        info = ray.get(head.resume.remote(sweep))
+    except ray.exceptions.RayTaskError as e:
+        _fail(str(getattr(e, "cause", e)).strip("'\""))
+    click.echo(f"sweep {sweep}: {info['state'].lower()}, {info['unfinished']} unfinished trial(s)",
+               err=True)
+    if not detach and info["state"] == "RUNNING":
+        sys.exit(_follow(_root(spec), sweep, as_json))
+
+
+@main.command()
+@click.argument("sweep")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="new folder: one mlx-lm adapter folder per trial + manifest.json")
+@click.option("--best", type=int, default=None, help="only the K best trials by --metric")
+@click.option("--metric", default="val_loss", show_default=True,
+              type=click.Choice(["val_loss", "final_loss"]), help="lower is better")
+@cluster_option
+def gather(sweep, out: Path, best, metric, cluster_file):
+    """Export a sweep's adapters: OUT/<trial>/ loads with
+    mlx_lm.load(model, adapter_path=OUT/<trial>); OUT/manifest.json lists trial,
+    parameters, metrics and the sha256 of every file."""
+    from orchestrator.gather import gather as do_gather
+    from orchestrator.stores import Stores
+    if best is not None and best < 1:
+        _fail("--best: must be at least 1")
+    root = _root(_cluster(cluster_file))
+    [sw] = _status(root, sweep)
+    trials = [{"trial": t["trial"], "state": t["state"], "params": t["params"],
+               "metrics": {"val_loss": t["val_loss"], "final_loss": t["final_loss"]}}
+              for t in sw["trials"]]
+    if not any(t["state"] == "SUCCEEDED" for t in trials):
+        _fail(f"sweep {sweep} has no succeeded trial to gather")
+    try:
+        path = do_gather(Stores(root), trials, out, best=best, metric=metric)
+    except (ValueError, FileExistsError) as e:
+        _fail(str(e))
+    n = len(json.loads((path / "manifest.json").read_text()))
+    click.echo(f"wrote {n} adapter folder(s) and manifest.json to {path}")
+
+
+# -------------------------------------------------------------------- cluster / node
+
+@main.group()
+def cluster():
+    """Start, stop and show the fleet described by a cluster.yaml."""
+
+
+def _cluster_arg(f):
+    return click.argument("cluster_file", metavar="[CLUSTER.yaml]", required=False,
+                          envvar="SEGCTL_CLUSTER",
+                          type=click.Path(dir_okay=False, path_type=Path))(f)
+
+
+@cluster.command("up")
+@_cluster_arg
+def cluster_up(cluster_file):
+    """Start the head and every node (local ones here, remote ones over ssh)."""
+    from orchestrator import fleet
+    spec = _cluster(cluster_file)
+    try:
+        info = fleet.up(spec)
+    except (RuntimeError, OSError, TimeoutError) as e:
+        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+    click.echo(f"fleet up: head {info.get('address')}, stores {_root(spec)}")
+
+
+@cluster.command("down")
+@_cluster_arg
+def cluster_down(cluster_file):
+    """Stop every node and the head this fleet started (running trials are lost
+    to the head; `segctl resume` continues them after the next `up`)."""
+    from orchestrator import fleet
+    try:
+        fleet.down(_cluster(cluster_file))
+    except (RuntimeError, OSError) as e:
+        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+    click.echo("fleet down")
+
+
+@cluster.command("status")
+@_cluster_arg
+@click.option("--json", "as_json", is_flag=True)
+def cluster_status(cluster_file, as_json: bool):
+    """Per node: chip, memory budget, busy/free and the trial running there."""
+    from orchestrator import fleet
+    from orchestrator import state
+    spec = _cluster(cluster_file)
+    try:
+        fleet.connect(spec, start=False)
+    except (ConnectionError, RuntimeError) as e:
+        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+    running = {}
+    db = _root(spec) / "state.db"
+    if db.exists():
+        con = state.read(db)
+        for a in con.execute("SELECT node, trial FROM attempts WHERE status != 'ended'"):
+            running[a["node"]] = a["trial"]
+    nodes = [dict(n.model_dump(), trial=running.get(n.name)) for n in fleet.nodes()]
+    for d in (spec.nodes if spec else []):
+        if d.name not in {n["name"] for n in nodes}:
+            nodes.append(dict(name=d.name, chip=d.chip, memory_gb=d.memory_gb, os="?",
+                              labels=d.labels or {}, alive=False, trial=None))
+    if as_json:
+        click.echo(json.dumps(nodes, indent=2))
+    else:
+        from rich.console import Console
+        Console().print(views.nodes_table(nodes))
+
+
+@main.group()
+def node():
+    """Run on each Mac of a fleet: join it to the head (wraps `ray start`)."""
+
+
+@node.command("start")
+@click.option("--head", "is_head", is_flag=True, help="start the head here")
+@click.option("--join", "address", metavar="HOST:PORT", help="join the head at HOST:PORT")
+@click.option("--name", default=None, help="node name (default: the hostname)")
+@click.option("--memory-gb", type=float, default=None,
+              help="training budget (default: this machine's memory from the probe)")
+@click.option("--chip", default=None, help="default: from the probe (e.g. m2-max)")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="extra node label")
+@click.option("--port", type=int, default=6379, show_default=True, help="--head: the Ray port")
+@click.option("--stores", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="--head: stores root (default $SEGCTL_HOME or ~/.segctl)")
+@click.option("--token-stdin", is_flag=True,
+              help="read the cluster token from stdin (else $SEGCTL_HOME/auth_token)")
+def node_start(is_head, address, name, memory_gb, chip, labels, port, stores, token_stdin):
+    """Start Ray on this machine as the head (--head) or as a node of the head at
+    HOST:PORT (--join), with this machine's chip, memory and labels."""
+    from node.probe import default_name, probe
+    from orchestrator import fleet
+    if is_head == bool(address):
+        _fail("give exactly one of --head or --join HOST:PORT")
+    parsed = {}
+    for item in labels:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            _fail(f"--label {item!r}: expected KEY=VALUE")
+        parsed[k] = v
+    hw = probe()
+    try:
+        info = fleet.start_here(head=is_head, address=address, name=name or default_name(),
+                                memory_gb=memory_gb or hw.memory_gb, chip=chip or hw.chip,
+                                labels=parsed, port=port, stores=stores,
+                                token=sys.stdin.read().strip() if token_stdin else None, hw=hw)
+    except (RuntimeError, OSError, TimeoutError, ValueError) as e:
+        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+    click.echo(json.dumps(info))
+
+
+@node.command("stop")
+def node_stop():
+    """Stop the Ray processes `segctl node start` started on this machine."""
+    from orchestrator import fleet
+    click.echo(json.dumps(fleet.stop_here()))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .yamlspec import load_yaml, validate
 
@@ -55,12 +55,21 @@ class TrainSpec(Strict):
 
 
 class MemorySpec(Strict):
-    segment_size: int = Field(1, ge=0, description="layers per segment; 0 = plain autodiff")
+    segment_size: Union[int, Literal["auto"]] = Field(
+        1, description="layers per segment; 0 = plain autodiff; auto = the largest that the "
+                       "memory planner predicts fits the budget")
     grad_checkpoint: bool = Field(False, description="with segment_size 0: per-layer recompute")
     head_chunk: int = Field(512, ge=1, description="token positions per loss-head chunk")
     attn_block: int = Field(2048, ge=0, description="segmented: on rows longer than this, attention "
                                                     "backward in blocks of this many query rows; 0 = off")
     budget_gb: Optional[float] = Field(None, gt=0, description="stop with an oom error past this peak")
+
+    @field_validator("segment_size", mode="before")
+    @classmethod
+    def _segment_size(cls, v):
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError(f"expected a whole number >= 0 or 'auto', got {v!r}")
 
 
 class TelemetrySpec(Strict):
@@ -71,7 +80,8 @@ class JobSpec(Strict):
     name: str = "job"
     method: Literal["sft"] = "sft"
     model: str = Field(description="local Hugging Face model folder")
-    output: str = Field(description="folder the adapter lands in")
+    output: Optional[str] = Field(None, description="folder the adapter lands in (segctl train "
+                                                    "needs it; a sweep's trials land in the stores)")
     data: DataSpec
     lora: LoraSpec = LoraSpec()
     train: TrainSpec
@@ -80,7 +90,7 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _modes(self):
-        if self.memory.grad_checkpoint and self.memory.segment_size:
+        if self.memory.grad_checkpoint and self.memory.segment_size not in (0,):
             raise ValueError("memory.grad_checkpoint needs memory.segment_size 0")
         return self
 

@@ -49,16 +49,14 @@ def validate(model: type[M], path: str | Path, data: Any, node: yaml.Node | None
         raise SpecError([_problem(path, model, node, err) for err in e.errors()]) from None
 
 
-def _problem(path: Path, model: type[BaseModel], node, err: dict) -> str:
+def _problem(path: Path, model: type[BaseModel], node, err: dict, prefix: str = "") -> str:
     loc = [p for p in err["loc"] if not _is_union_tag(p)]
-    key = ".".join(str(p) for p in loc) or "(top)"
+    key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "(top)"
     line = _line_of(node, loc)
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         choices = _fields_at(model, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), choices, n=1)
-        msg = f"unknown key" + (f"; did you mean '{close[0]}'?" if close else
-                                f" (known: {', '.join(choices)})")
+        msg = "unknown key" + did_you_mean(str(loc[-1]), choices)
     elif err["type"] == "missing":
         line = _line_of(node, loc[:-1])
         msg = "required key is missing"
@@ -70,6 +68,37 @@ def _problem(path: Path, model: type[BaseModel], node, err: dict) -> str:
 def _is_union_tag(p) -> bool:
     # pydantic adds the chosen union member's type name ('int', 'literal[...]') to loc
     return isinstance(p, str) and (p in ("int", "float", "str", "bool", "none") or "[" in p)
+
+
+def problem(path: str | Path, model: type[BaseModel], node, err: dict, prefix: str = "") -> str:
+    """One pydantic error of `model` (validated from the YAML under `node`) as
+    `file:line: key: message`; `prefix` goes before the key (e.g. "job." for a
+    model that sits under that key of the file)."""
+    return _problem(Path(path), model, node, err, prefix)
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """"; did you mean 'x'?" for the closest choice, else the list of choices."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(choices)})"
+
+
+def node_at(node, loc) -> yaml.Node | None:
+    """The YAML node at a key path (mapping keys, sequence indexes), or None."""
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            return None
+    return node
+
+
+def line_of(node, loc) -> int:
+    """1-based line of the deepest part of `loc` found under `node` (the key's
+    line for a mapping entry, the item's line for a sequence entry)."""
+    return _line_of(node, loc)
 
 
 def _line_of(node, loc) -> int:

@@ -48,12 +48,11 @@ def test_wrong_type_and_range_point_at_their_lines(tmp_path):
     ps = problems(tmp_path, VALID.replace("iters: 3", "iters: ten") + "memory:\n  segment_size: -1\n")
     assert ps[0].startswith(f"{tmp_path}/job.yaml:7: train.iters: ")
     assert ps[1].startswith(f"{tmp_path}/job.yaml:9: memory.segment_size: ")
-    assert "greater than or equal to 0" in ps[1]
+    assert "expected a whole number >= 0 or 'auto', got -1" in ps[1]
 
 
 def test_missing_keys_and_cross_checks(tmp_path):
     ps = problems(tmp_path, "model: m\ndata:\n  train: t\ntrain:\n  learning_rate: 1\n")
-    assert any(": output: required key is missing" in p for p in ps)
     assert any("train: give either iters or epochs" in p for p in ps)
     (p,) = problems(tmp_path, VALID + "memory:\n  grad_checkpoint: true\n")
     assert "grad_checkpoint needs memory.segment_size 0" in p
@@ -75,7 +74,7 @@ def test_cli_validate_and_train_refuse_bad_specs(tmp_path):
         err = assert_one_line_error(segctl(cmd, bad), "trian: unknown key; did you mean 'train'?")
         assert err.startswith(f"{bad}:8:")
     assert not (tmp_path / "out").exists()
-    assert segctl("validate", job_file(tmp_path, VALID)).stdout.strip().endswith(": ok")
+    assert segctl("validate", job_file(tmp_path, VALID)).stdout.strip().endswith(": ok (job)")
 
 
 def test_help_answers_questions():

@@ -1,0 +1,130 @@
+"""The memory planner against the real engine: one JSON row per configuration.
+
+    python -m bench.planner_fit > bench/results/planner-cpu.jsonl
+
+Each model is a small random one written by `engine.demo.write_model` (the
+vocabulary widened through the config, so ids beyond the toy tokenizer exist),
+loaded through `engine.model.load_model`, with LoRA as `engine.train.run` puts
+it. Each configuration runs two steps exactly as engine/train.py does (clear the
+cache, reset the peak, `loss_and_grads`, `apply_grads`, one evaluation) on one
+row of random tokens supervised in full (the head's worst case), and
+`measured_gb` is the larger step's `mx.get_peak_memory()`: the Step event's
+`peak_gb`. `predicted_gb` is `orchestrator.planner.predict_gb` for the same
+shape; ratio = predicted / measured, which the planner's constants keep >= 1.
+A summary goes to stderr. About 80-100 s on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from engine.data import Example
+from engine.demo import demo_examples, write_model
+from engine.model import apply_lora, load_model, model_parts
+from engine.optim import apply_grads, make_optimizer
+from engine.step import loss_and_grads
+from orchestrator.planner import model_info, predict_gb
+
+RANK = 8
+
+# (arch, layers, hidden, vocab, dtype) -> cases (seq, segment_size, attn_block, grad_checkpoint).
+# Segment sizes 1, 2, all layers and 0 (plain); a grad_checkpoint case; blocked
+# attention backward where attn_block < seq.
+MODELS = [
+    (("qwen3", 8, 64, 300, "float32"),
+     [(seq, seg, 2048, False) for seq in (64, 256, 1024) for seg in (1, 2, 8, 0)]),
+    (("llama", 6, 128, 4000, "float32"),
+     [(seq, seg, 2048, False) for seq in (256, 1024) for seg in (1, 2, 6, 0)]
+     + [(1024, 0, 2048, True), (1024, 1, 512, False), (1024, 2, 512, False)]),
+    (("qwen3", 4, 256, 8000, "float32"),
+     [(seq, seg, 2048, False) for seq in (128, 512) for seg in (1, 2, 4, 0)]
+     + [(512, 0, 2048, True), (1024, 1, 2048, False), (1024, 2, 256, False)]),
+    (("llama", 5, 192, 1000, "float32"),
+     [(768, seg, 2048, False) for seg in (1, 3, 5)]),
+    (("qwen3", 4, 128, 2000, "bfloat16"),
+     [(512, seg, 2048, False) for seg in (1, 2, 4, 0)]),
+]
+
+
+def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: int,
+                      dtype: str = "float32") -> Path:
+    """A random `arch` model of this shape in Hugging Face layout (weights in `dtype`)."""
+    corpus = [f"{r['prompt']} {r['completion']}" for r in demo_examples(100, 1)]
+    write_model(folder, arch, corpus=corpus, layers=layers, hidden=hidden,
+                extra_config={"vocab_size": vocab, "torch_dtype": dtype})
+    if dtype != "float32":
+        path = folder / "model.safetensors"
+        weights = {k: v.astype(getattr(mx, dtype)) for k, v in mx.load(str(path)).items()}
+        mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    return folder
+
+
+def measure_peak_gb(model, example: Example, *, segment_size: int, head_chunk: int = 512,
+                    attn_block: int = 2048, grad_checkpoint: bool = False, steps: int = 2) -> float:
+    """Peak GB of `steps` training steps on `example`, measured as engine/train.py
+    measures a step (a fresh AdamW, so step 1 also allocates its moments)."""
+    parts = model_parts(model, check=False)
+    optimizer = make_optimizer(1e-5)
+    peak = 0.0
+    for _ in range(steps):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        loss, grads = loss_and_grads(model, example, segment_size=segment_size,
+                                     head_chunk=head_chunk, attn_block=attn_block,
+                                     grad_checkpoint=grad_checkpoint, parts=parts)
+        norm = apply_grads(model, optimizer, grads, 1.0)
+        mx.eval(loss, norm, model.trainable_parameters(), optimizer.state)
+        peak = max(peak, mx.get_peak_memory() / 1e9)
+        del loss, grads, norm
+    return peak
+
+
+def random_row(seq: int, vocab: int, seed: int = 0) -> Example:
+    mx.random.seed(seed)
+    return Example(mx.random.randint(0, vocab, (seq,)).tolist(), 0)
+
+
+def main() -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for (arch, layers, hidden, vocab, dtype), cases in MODELS:
+            folder = write_bench_model(Path(tmp) / f"{arch}-{layers}-{hidden}-{dtype}",
+                                       arch, layers, hidden, vocab, dtype)
+            info = model_info(str(folder))
+            model, _ = load_model(folder)
+            apply_lora(model, rank=RANK, scale=20.0, dropout=0.0)
+            mx.eval(model.parameters())
+            for seq, seg, attn_block, ckpt in cases:
+                tic = time.perf_counter()
+                measured = measure_peak_gb(model, random_row(seq, vocab), segment_size=seg,
+                                           attn_block=attn_block, grad_checkpoint=ckpt)
+                predicted = predict_gb(info, seq_len=seq, segment_size=seg, lora_rank=RANK,
+                                       attn_block=attn_block, grad_checkpoint=ckpt)
+                row = dict(arch=arch, layers=layers, hidden=hidden, vocab=vocab, dtype=dtype,
+                           seq=seq, segment_size=seg, attn_block=attn_block,
+                           grad_checkpoint=ckpt, measured_gb=round(measured, 5),
+                           predicted_gb=round(predicted, 5), ratio=round(predicted / measured, 3),
+                           seconds=round(time.perf_counter() - tic, 2), info=info.to_dict())
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            # Free this model before the next: peak memory counts everything alive.
+            del model
+            gc.collect()
+            mx.clear_cache()
+    ratios = [r["ratio"] for r in rows]
+    long = [r["ratio"] for r in rows if r["seq"] >= 256]
+    print(f"{len(rows)} rows: ratio min {min(ratios):.3f} max {max(ratios):.3f}; "
+          f"seq >= 256: min {min(long):.3f} max {max(long):.3f}; "
+          f"{sum(r < 1 for r in ratios)} below 1", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The agent on each node: a Ray actor pinned to its node that runs attempts the
+head sends it, one at a time, each in a fresh engine process (node/attempt.py).
+
+It reaches the head through the head actor's handle: telemetry batches, then
+checkpoints and the adapter as bytes. Nothing assumes a shared file system.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+from pathlib import Path
+
+import ray
+
+from schemas.records import AttemptResult, AttemptSpec
+
+from .attempt import Running, run_attempt
+
+CALL_TIMEOUT_S = 120
+
+
+def work_root(name: str) -> Path:
+    base = os.environ.get("SEGCTL_WORK") or os.path.join(tempfile.gettempdir(),
+                                                         f"segctl-work-{os.getuid()}")
+    return Path(base) / name
+
+
+class NodeAgent:
+    def __init__(self, name: str, head):
+        self.name = name
+        self.head = head
+        self.running: dict[int, Running] = {}
+        self.lock = threading.Lock()
+
+    def ping(self) -> dict:
+        return {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
+                "running": sorted(self.running)}
+
+    def run(self, spec: AttemptSpec) -> AttemptResult:
+        running = Running()
+        with self.lock:
+            self.running[spec.attempt] = running
+        head = self.head
+        try:
+            return run_attempt(
+                spec, work_root(self.name),
+                send_events=lambda batch: ray.get(
+                    head.ingest.remote(spec.attempt, batch), timeout=CALL_TIMEOUT_S),
+                send_checkpoint=lambda step, files: ray.get(
+                    head.checkpoint.remote(spec.attempt, step, files), timeout=CALL_TIMEOUT_S),
+                on_started=lambda pid, t: head.started.remote(spec.attempt, pid, t),
+                running=running)
+        finally:
+            with self.lock:
+                self.running.pop(spec.attempt, None)
+
+    def cancel(self, attempt: int) -> bool:
+        with self.lock:
+            running = self.running.get(attempt)
+        if running:
+            running.cancel()
+        return running is not None
+
+
+def spawn(name: str, head):
+    """The agent of node `name`, pinned to it by its segctl_node resource; it takes
+    no CPU slot (training runs in its own process)."""
+    return ray.remote(NodeAgent).options(
+        num_cpus=0, max_concurrency=8,
+        resources={f"segctl_node:{name}": 0.001}, max_restarts=0,
+    ).remote(name, head)

@@ -1,0 +1,165 @@
+"""Run one attempt on this node: lay out its inputs, start the engine in a fresh
+process, forward its telemetry in batches, ship checkpoints and the adapter as
+bytes, and say how it ended.
+
+No Ray here: the agent (node/agent.py) passes in how to reach the head, so this
+runs the same under a test with plain callables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from schemas import events as ev
+from schemas.records import AttemptResult, AttemptSpec
+
+FLUSH_S = 0.5        # forward telemetry at least this often while events arrive
+FLUSH_ROWS = 500     # ... or when this many are waiting
+
+
+class Running:
+    """The engine process of one attempt, so `cancel` can reach it."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.cancelled = False
+        self.lock = threading.Lock()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            if self.proc and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+
+
+def run_attempt(spec: AttemptSpec, work: Path, *,
+                send_events: Callable[[list[dict]], None],
+                send_checkpoint: Callable[[int, dict[str, bytes]], None],
+                on_started: Callable[[int, float], None],
+                running: Running | None = None,
+                python: str = sys.executable) -> AttemptResult:
+    running = running or Running()
+    folder = work / f"attempt-{spec.attempt}"
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "data").mkdir(parents=True)
+    out = folder / "out"
+
+    # Inputs arrive as bytes: no shared file system.
+    job = json.loads(json.dumps(spec.job))
+    for name, blob in spec.data.items():
+        (folder / "data" / name).write_bytes(blob)
+    job["data"]["train"] = str(folder / "data" / "train.jsonl")
+    if job["data"].get("valid"):
+        job["data"]["valid"] = str(folder / "data" / "valid.jsonl")
+    job["output"] = str(out)
+    job.setdefault("telemetry", {})["phases"] = True   # per-phase peaks feed memory.zarr
+    resume = spec.checkpoint_step is not None
+    if resume:
+        ckpt = out / "checkpoints" / f"step-{spec.checkpoint_step:07d}"
+        ckpt.mkdir(parents=True)
+        for name, blob in spec.checkpoint.items():
+            (ckpt / name).write_bytes(blob)
+    (folder / "job.json").write_text(json.dumps(job))
+
+    cmd = [python, "-m", "node.worker", str(folder / "job.json")] + (["--resume"] if resume else [])
+    with running.lock:
+        if running.cancelled:
+            return AttemptResult(attempt=spec.attempt, outcome="cancelled", message="cancelled")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=folder, env=_worker_env())
+        running.proc = proc
+    on_started(proc.pid, time.time())
+
+    stderr: list[str] = []
+    drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
+        "utf-8", "replace").splitlines()[-20:]), daemon=True)
+    drain.start()
+
+    seq, batch, last_flush = 0, [], time.monotonic()
+    end = err = None
+    peak = 0.0
+    steps = 0
+
+    def flush():
+        nonlocal batch, last_flush
+        if batch:
+            send_events(batch)
+            batch = []
+        last_flush = time.monotonic()
+
+    for raw in proc.stdout:
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            continue  # not one of ours (a library printing to stdout)
+        event["seq"] = seq
+        seq += 1
+        batch.append(event)
+        kind = event.get("event")
+        if kind == "step":
+            peak = max(peak, event["peak_gb"])
+            steps = event["step"]
+        elif kind == "end":
+            end = event
+        elif kind == "error":
+            err = event
+        if kind == "checkpoint":
+            # Telemetry up to the checkpoint first, then the checkpoint: a resume
+            # elsewhere never restarts from a step whose rows the head lacks.
+            flush()
+            send_checkpoint(event["step"], _read_files(Path(event["path"])))
+        elif len(batch) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
+            flush()
+    code = proc.wait()
+    drain.join(timeout=5)
+    flush()
+    proc.stdin.close()
+
+    result = dict(attempt=spec.attempt, exit_code=code, peak_gb=peak or None, steps=steps)
+    if running.cancelled:
+        outcome, message = "cancelled", "cancelled"
+    elif code == ev.EXIT_OK and end is not None:
+        outcome, message = "succeeded", ""
+        result.update(final_loss=end.get("final_loss"), val_loss=end.get("val_loss"),
+                      adapter=_read_files(out, ("adapters.safetensors", "adapter_config.json")))
+    elif code == ev.EXIT_OOM:
+        outcome, message = "oom", err["message"] if err else "memory budget crossed"
+    elif code == ev.EXIT_BAD_INPUT:
+        outcome, message = "failed", err["message"] if err else _last(stderr)
+    elif code < 0 or code == 137:
+        # Killed by a signal we did not send: the process is gone as if its machine were.
+        outcome = "node_lost"
+        message = f"engine process killed by signal {-code if code < 0 else 9}"
+    else:
+        outcome = "failed"
+        message = (err["message"] if err else _last(stderr)) or f"engine exited with {code}"
+    if outcome in ("succeeded", "cancelled"):
+        shutil.rmtree(folder, ignore_errors=True)
+    return AttemptResult(outcome=outcome, message=message, **result)
+
+
+def _read_files(folder: Path, names=None) -> dict[str, bytes]:
+    names = names or sorted(p.name for p in folder.iterdir() if p.is_file())
+    return {n: (folder / n).read_bytes() for n in names}
+
+
+def _last(lines: list[str]) -> str:
+    lines = [l for l in lines if l.strip()]
+    return lines[-1] if lines else ""
+
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    # The worker imports our packages from where this one came from.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env

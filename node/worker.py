@@ -1,0 +1,53 @@
+"""One attempt of a trial, in a fresh process: `python -m node.worker JOB.json [--resume]`.
+
+The node agent starts one of these per attempt so no MLX state (allocator, compiled
+graphs, peak counters) leaks from one trial into the next. Events go to stdout as
+JSON lines; the exit code says how it ended (schemas/events.py).
+
+The agent holds our stdin open. If the agent dies (its Ray worker or the whole
+node goes away), stdin reaches EOF and we exit at once instead of training on as
+an orphan nobody listens to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+
+def _exit_when_parent_goes() -> None:
+    def watch():
+        try:
+            while sys.stdin.buffer.read(1 << 16):
+                pass
+        except Exception:
+            pass
+        os._exit(137)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    _exit_when_parent_goes()
+    from engine import telemetry
+    from engine.train import run_reported
+    from schemas.job import JobSpec
+
+    path, resume = argv[0], "--resume" in argv[1:]
+    with open(path, encoding="utf-8") as f:
+        job = JobSpec.model_validate(json.load(f))
+    code, message = run_reported(job, resume=resume, emit=telemetry.json_lines(sys.stdout),
+                                 debug=bool(os.environ.get("SEGCTL_DEBUG")))
+    if code:
+        print(message, file=sys.stderr)
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: interpreter shutdown aborts while the watcher thread holds stdin.
+    os._exit(code)

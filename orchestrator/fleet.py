@@ -1,0 +1,407 @@
+"""The fleet: start, stop and look at the Ray cluster segctl schedules onto.
+
+`up` starts the head on this machine, the cluster file's `local: true` nodes here
+too (each a real Ray node process), and the remote Macs over ssh with
+`segctl node start --join HEAD:PORT --token-stdin`. What it started is recorded
+in `<stores>/fleet.json`; `down` stops exactly that, by pid here and by
+`segctl node stop` over ssh. With no cluster file the fleet is embedded: this
+machine is the head and the only node, with its real memory as the budget.
+
+Every Ray process and every driver runs with token authentication: the token
+lives in `<stores>/auth_token` (0600) on the head and reaches a remote node on
+ssh's stdin, never on a command line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import shlex
+import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+from node import raynode
+from node.probe import Hardware, default_name, probe, ray_env
+from schemas.records import NodeInfo
+
+# `ray` itself is imported only where a driver is needed: stores_root() and the
+# ssh helpers serve CLI commands that should not pay for importing Ray.
+NAMESPACE = "segctl"
+FLEET_FILE = "fleet.json"      # on the head, under the stores root: what `up` started
+HERE_FILE = "here.json"        # on any machine, under $SEGCTL_HOME: what `node start` started
+SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+SSH_TIMEOUT_S = 180
+PARALLEL_SSH = 8
+
+
+def stores_root(spec) -> Path:
+    if spec is not None and spec.head.stores:
+        return Path(spec.head.stores).expanduser()
+    return segctl_home()
+
+
+def segctl_home() -> Path:
+    return Path(os.environ.get("SEGCTL_HOME") or "~/.segctl").expanduser()
+
+
+def ensure_token(stores: Path) -> Path:
+    """The cluster's token, made once: 32 random bytes as hex, readable by the
+    owner only."""
+    path = Path(stores) / "auth_token"
+    if path.exists() and path.read_text().strip():
+        return path
+    return _write_token(path, secrets.token_hex(32), replace=path.exists())
+
+
+# ------------------------------------------------------------------ up / down
+
+def up(spec, *, ssh=subprocess.run) -> dict:
+    """Bring the fleet up and return what fleet.json records. A running fleet is
+    left as it is; nodes of the cluster file missing from it are started. A node
+    that cannot start does not stop the others: the fleet comes up without it and
+    a RuntimeError names it afterwards."""
+    root = stores_root(spec)
+    with _locked(root):
+        token = ensure_token(root)
+        hw = probe()
+        env = ray_env(str(token), hw)
+        info = _read(root / FLEET_FILE)
+        if info and not _head_answers(info, env):
+            _stop_recorded(info, ssh)        # leftovers of a fleet whose head died
+            info = None
+        if info is None:
+            info = _start_head(spec, root, token, hw)
+            _write(root / FLEET_FILE, info)
+        alive = {n["labels"].get("segctl.name") for n in raynode.gcs_nodes(info["address"], env) or []
+                 if n["alive"]}
+        missing = [n for n in (spec.nodes if spec else []) if n.name not in alive]
+        failed = {}
+
+        def started(n, get):
+            try:
+                info["nodes"][n.name] = get()
+            except (RuntimeError, OSError, TimeoutError, ValueError,
+                    subprocess.TimeoutExpired) as e:
+                failed[n.name] = _one_line(e)
+                return
+            _write(root / FLEET_FILE, info)   # recorded as soon as it runs
+
+        # Nodes sharing this machine start one after the other: Ray picks a starting
+        # node's ports as it goes, and two starting at once can pick the same one.
+        for n in (n for n in missing if n.local):
+            started(n, lambda: _start_node(n, info, root, hw, ssh))
+        with ThreadPoolExecutor(max_workers=PARALLEL_SSH) as pool:
+            futures = {pool.submit(_start_node, n, info, root, hw, ssh): n
+                       for n in missing if not n.local}
+            for fut, n in futures.items():
+                started(n, fut.result)
+    if failed:
+        raise RuntimeError("fleet up, but not " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    return info
+
+
+def down(spec, *, ssh=subprocess.run) -> None:
+    """Stop every node and the head that fleet.json records; remove fleet.json."""
+    root = stores_root(spec)
+    with _locked(root):
+        info = _read(root / FLEET_FILE)
+        if info is None:
+            return
+        failed = _stop_recorded(info, ssh)
+        (root / FLEET_FILE).unlink(missing_ok=True)
+    if failed:
+        raise RuntimeError("fleet down, but could not stop " +
+                           "; ".join(f"{k}: {v}" for k, v in failed.items()))
+
+
+def connect(spec, *, start: bool = True) -> dict:
+    """Join this process to the fleet as a Ray driver (namespace "segctl") and
+    return fleet.json's record. Embedded with start=True brings the fleet up
+    first when it is not running."""
+    import ray
+
+    root = stores_root(spec)
+    info = _read(root / FLEET_FILE)
+    running = info is not None and raynode.is_ray_start(info["head"]["pid"])
+    if not running:
+        if spec is None and start:
+            info = up(None)
+        else:
+            arg = "" if spec is None else " CLUSTER.yaml"
+            raise ConnectionError(f"the fleet is not running (no live head recorded in "
+                                  f"{root / FLEET_FILE}); start it with `segctl cluster up{arg}`")
+    if ray.is_initialized():
+        if ray.get_runtime_context().gcs_address == info["address"]:
+            return info
+        ray.shutdown()
+    _use_token(info["token_path"])
+    try:
+        ray.init(address=info["address"], namespace=NAMESPACE, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    except Exception as e:   # AuthenticationError, ConnectionError, RuntimeError, ...
+        raise ConnectionError(f"cannot reach the fleet's head at {info['address']}: "
+                              f"{_one_line(e)}") from None
+    return info
+
+
+def nodes() -> list[NodeInfo]:
+    """The alive segctl nodes, from Ray's node table (needs a connected driver)."""
+    import ray
+
+    out = []
+    for n in ray.nodes():
+        names = [r[len(raynode.NODE_RESOURCE):] for r in n.get("Resources", {})
+                 if r.startswith(raynode.NODE_RESOURCE)]
+        if not n.get("Alive") or not names:
+            continue
+        labels = n.get("Labels") or {}
+        ours = {k.removeprefix(raynode.LABEL): v for k, v in labels.items()
+                if k.startswith(raynode.LABEL)}
+        out.append(NodeInfo(
+            name=names[0], chip=ours.get("chip", "unknown"),
+            memory_gb=float(ours.get("memory_gb", 0)), os=ours.get("os", "unknown"), alive=True,
+            labels={k: v for k, v in labels.items()
+                    if not k.startswith(raynode.LABEL) and not k.startswith("ray.io/")}))
+    return sorted(out, key=lambda n: n.name)
+
+
+# ------------------------------------------------------------------ one machine
+
+def start_here(*, head: bool, address: str | None, name: str, memory_gb: float, chip: str,
+               labels: dict, port: int, stores: Path | None, token: str | None,
+               hw: Hardware) -> dict:
+    """`segctl node start`: the head here (it also trains, as node `name`), or a
+    node joining the head at `address`. Recorded in $SEGCTL_HOME/here.json for
+    `segctl node stop`."""
+    node = {"name": name, "memory_gb": memory_gb, "chip": chip, "labels": labels}
+    if head:
+        root = Path(stores).expanduser() if stores else segctl_home()
+        with _locked(root):
+            token_path = (_write_token(root / "auth_token", token, replace=True) if token
+                          else ensure_token(root))
+            info = _read(root / FLEET_FILE)
+            if info and raynode.is_ray_start(info["head"]["pid"]):
+                raise RuntimeError(f"a segctl head already runs here (pid {info['head']['pid']}, "
+                                   f"{info['address']}); `segctl node stop` stops it")
+            started = raynode.start_head(port=port, stores=root, node=node, hw=hw,
+                                         log_dir=root / "logs")
+            info = {"address": started["address"], "port": port, "token_path": str(token_path),
+                    "head": {"pid": started["pid"], "node": name}, "nodes": {}}
+            _write(root / FLEET_FILE, info)
+        entry = {"role": "head", "pid": started["pid"], "name": name,
+                 "address": started["address"], "stores": str(root)}
+    else:
+        if not address or ":" not in address:
+            raise ValueError(f"--join {address!r}: expected HOST:PORT of the head")
+        home = segctl_home()
+        token_path = home / "auth_token"
+        if token:
+            _write_token(token_path, token, replace=True)
+        elif not token_path.exists():
+            raise RuntimeError(f"no cluster token: pass it with --token-stdin or copy the head's "
+                               f"<stores>/auth_token to {token_path}")
+        started = raynode.start_node(address=address, name=name, memory_gb=memory_gb, chip=chip,
+                                     labels=labels, hw=hw, token_path=str(token_path),
+                                     log_dir=home / "logs")
+        entry = {"role": "node", "pid": started["pid"], "name": name, "address": address}
+    here = [e for e in _read(segctl_home() / HERE_FILE, []) if raynode.is_ray_start(e["pid"])]
+    _write(segctl_home() / HERE_FILE, here + [entry])
+    return entry
+
+
+def stop_here() -> dict:
+    """`segctl node stop`: stop what `segctl node start` started on this machine."""
+    path = segctl_home() / HERE_FILE
+    stopped = []
+    for e in _read(path, []):
+        raynode.stop(e["pid"])
+        stopped.append(e["name"])
+        if e["role"] == "head":
+            fleet = Path(e["stores"]) / FLEET_FILE
+            info = _read(fleet)
+            if info and info["head"]["pid"] == e["pid"]:
+                fleet.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    return {"stopped": stopped}
+
+
+# ------------------------------------------------------------------ ssh
+
+def ssh_start_command(node, join: str) -> list[str]:
+    """The ssh command that joins remote node `node` (a NodeSpec) to the head at
+    `join`; the token follows on stdin. The chip is left to the remote probe
+    unless the cluster file names it."""
+    remote = ["segctl", "node", "start", "--join", join, "--name", node.name,
+              "--memory-gb", f"{node.memory_gb:g}", "--token-stdin"]
+    if node.chip and node.chip != "unknown":
+        remote += ["--chip", node.chip]
+    for k, v in (node.labels or {}).items():
+        remote += ["--label", f"{k}={v}"]
+    return ["ssh", *SSH_OPTIONS, node.host or node.name, shlex.join(remote)]
+
+
+def ssh_stop_command(host: str) -> list[str]:
+    return ["ssh", *SSH_OPTIONS, host, "segctl node stop"]
+
+
+def _ssh(ssh, cmd: list[str], stdin: str = "") -> str:
+    proc = ssh(cmd, input=stdin, capture_output=True, text=True, timeout=SSH_TIMEOUT_S)
+    if proc.returncode != 0:
+        why = [ln for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        raise RuntimeError(f"ssh {cmd[-2]}: {why[-1] if why else f'exit {proc.returncode}'}")
+    return proc.stdout
+
+
+# ------------------------------------------------------------------ internals
+
+def _start_head(spec, root: Path, token: Path, hw: Hardware) -> dict:
+    named = None
+    if spec is None:
+        # embedded: this machine is head and node; a free port, so a Ray the user
+        # runs on 6379 is left alone
+        port = _free_port()
+        node = {"name": default_name(), "memory_gb": hw.memory_gb, "chip": hw.chip, "labels": {}}
+    else:
+        named = _head_is_here(spec.head.address)
+        port, node = spec.head.port, None
+    started = raynode.start_head(port=port, stores=root, node=node, hw=hw, log_dir=root / "logs")
+    # remote nodes join at the address the cluster file names, else at the one Ray
+    # advertises for the head (this machine's LAN address)
+    return {"address": started["address"], "port": port, "token_path": str(token),
+            "join": f"{named}:{port}" if named else started["address"],
+            "head": {"pid": started["pid"], "node": node and node["name"]}, "nodes": {}}
+
+
+def _start_node(n, info: dict, root: Path, hw: Hardware, ssh) -> dict:
+    token = Path(info["token_path"])
+    if n.local:
+        started = raynode.start_node(
+            address=info["address"], name=n.name, memory_gb=n.memory_gb,
+            chip=n.chip if n.chip != "unknown" else hw.chip, labels=n.labels or {}, hw=hw,
+            token_path=str(token), log_dir=root / "logs",
+            object_store_mb=raynode.LOCAL_OBJECT_STORE_MB)
+        return {"pid": started["pid"], "local": True, "host": None}
+    out = _ssh(ssh, ssh_start_command(n, info["join"]), stdin=token.read_text().strip())
+    reply = json.loads(out.strip().splitlines()[-1])
+    return {"pid": reply["pid"], "local": False, "host": n.host or n.name}
+
+
+def _stop_recorded(info: dict, ssh) -> dict:
+    """Stop the nodes and head of a fleet.json record; {name: why} for the ones
+    that could not be stopped."""
+    failed = {}
+
+    def stop_one(name, n):
+        if n["local"]:
+            raynode.stop(n["pid"])
+        else:
+            _ssh(ssh, ssh_stop_command(n["host"]))
+
+    with ThreadPoolExecutor(max_workers=PARALLEL_SSH) as pool:
+        futures = {pool.submit(stop_one, k, n): k for k, n in info.get("nodes", {}).items()}
+        for fut, name in futures.items():
+            try:
+                fut.result()
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                failed[name] = _one_line(e)
+    raynode.stop(info["head"]["pid"])
+    return failed
+
+
+def _use_token(token_path: str) -> None:
+    """Point this process's Ray at the fleet's token. Ray reads RAY_AUTH_* into its
+    config when `ray` is imported and caches the token on first use, so both are
+    refreshed here (config first, as Ray's own tests do)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ.update(ray_env(token_path))
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _head_answers(info: dict, env: dict) -> bool:
+    return (raynode.is_ray_start(info["head"]["pid"])
+            and raynode.gcs_nodes(info["address"], env) is not None)
+
+
+def _head_is_here(address: str) -> str | None:
+    """`cluster up` starts the head on the machine it runs on; a cluster file that
+    names another machine as the head is run there. Returns the address remote
+    nodes should use, None for "whatever Ray advertises" (auto, loopback)."""
+    if address in ("auto", "localhost"):
+        return None
+    try:
+        ip = socket.gethostbyname(address)
+        if ipaddress.ip_address(ip).is_loopback:
+            return None
+        with socket.socket() as s:
+            s.bind((ip, 0))     # binds only to an address of this machine
+    except OSError:
+        raise RuntimeError(f"head.address {address} is not this machine: run "
+                           f"`segctl cluster up` on the head") from None
+    return address
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _locked(root: Path):
+    """One `up`/`down` at a time per stores root (two CLI calls racing to bring
+    up the embedded fleet would start two heads)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "fleet.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(path: Path, default=None):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return default
+    except ValueError:
+        raise RuntimeError(f"{path}: not valid JSON; remove it if no fleet is running") from None
+
+
+def _write(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def _write_token(path: Path, token: str, *, replace: bool) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token.strip() + "\n")
+    if replace:
+        os.replace(tmp, path)
+        return path
+    try:
+        os.link(tmp, path)      # no clobbering a token another process just made
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,73 @@
+"""`segctl gather`: a sweep's adapters out of the stores, one mlx-lm adapter folder
+per trial plus a manifest, ready for `mlx_lm.load(model, adapter_path=OUT/<trial>)`.
+
+The whole folder is built next to `out` and renamed into place at the end, so a
+crash or an error leaves either nothing or the finished folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+from .stores import Stores
+
+
+def gather(stores: Stores, trials: list[dict], out: Path, best: int | None = None,
+           metric: str = "val_loss") -> Path:
+    """Export the SUCCEEDED trials that have an adapter (the `best` K by `metric`,
+    lowest first, when given). `trials`: [{trial, state, params, metrics}].
+    Returns `out`; raises ValueError (one line) when `out` is not new or empty, or
+    when no trial qualifies."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not empty (gather writes a new folder)")
+    chosen = pick(stores, trials, best, metric)
+    if not chosen:
+        raise ValueError("no succeeded trial with an adapter in the stores to gather")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.gather-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        manifest = []
+        for t in chosen:
+            folder = tmp / t["trial"]
+            folder.mkdir()
+            files = stores.adapter_files(t["trial"])
+            for name, blob in files.items():
+                _write(folder / name, blob)
+            manifest.append({"trial": t["trial"], "params": t.get("params") or {},
+                             "metrics": t.get("metrics") or {},
+                             "files": {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}})
+        _write(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+        os.replace(tmp, out)   # an empty `out` is replaced; a non-empty one was refused above
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def pick(stores: Stores, trials: list[dict], best: int | None, metric: str) -> list[dict]:
+    """The trials to export: succeeded, with an adapter; ranked by `metric` (missing
+    or not a number sorts last) and cut to `best` when given, else in the order given."""
+    ok = [t for t in trials if t.get("state") == "SUCCEEDED" and stores.has_adapter(t["trial"])]
+    if best is None:
+        return ok
+
+    def key(t):
+        v = (t.get("metrics") or {}).get(metric)
+        missing = not isinstance(v, (int, float)) or math.isnan(v)
+        return (missing, 0.0 if missing else v)
+    return sorted(ok, key=key)[:best]
+
+
+def _write(path: Path, blob: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())

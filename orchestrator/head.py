@@ -1,0 +1,413 @@
+"""The head: a detached Ray actor that owns state.db and the stores and runs the
+controller loop (what runs next, where, and what to do when it ends).
+
+One loop, top to bottom each turn:
+  1. see which nodes are alive (Ray's node table) and give each an agent;
+  2. collect attempts that ended and apply their outcome (the state machine);
+  3. place pending trials: highest priority first, the sweep's concurrency cap
+     holds, only on nodes where the planner predicts the trial fits.
+Agents call back into the same actor (`started`, `ingest`, `checkpoint`), which
+makes this actor the collector: the stores' only writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import ray
+
+from schemas.job import JobSpec
+from schemas.records import AttemptResult, AttemptSpec, NodeInfo, SweepState, TrialState
+
+from . import planner
+from .state import State
+from .stores import Stores
+
+HEAD_NAME = "segctl-head"
+NAMESPACE = "segctl"
+TICK_S = 0.2
+NODES_EVERY_S = 1.0
+# Ray's ways of saying "the worker or node that held this attempt is gone".
+LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+        ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
+        ray.exceptions.OwnerDiedError)
+
+
+class Controller:
+    def __init__(self, root: Path, *, list_nodes, spawn_agent, clock=time.time):
+        self.root = Path(root)
+        self.state = State(self.root / "state.db", clock=clock)
+        self.stores = Stores(self.root)
+        self.list_nodes, self.spawn_agent, self.clock = list_nodes, spawn_agent, clock
+        self.mu = threading.RLock()
+        self.nodes: dict[str, NodeInfo] = {}
+        self.agents: dict[str, object] = {}
+        self.busy: dict[str, int] = {}          # node -> attempt running there
+        self.free_since: dict[str, float] = {}  # node -> when it last became free
+        self.inflight: dict[object, tuple[int, str, str]] = {}   # ref -> (attempt, trial, node)
+        self.nodes_seen = 0.0
+        self.recover()
+
+    # ------------------------------------------------------------ requests
+    def submit(self, payload: dict) -> str:
+        """payload: name, path, spec (the sweep file as a dict, plus `planner`),
+        trials [{index, name, params, job, model_info, seq_len, inputs: {file: sha}}],
+        blobs {sha: bytes} (the data files, shipped from the submitting machine)."""
+        inputs = self.root / "inputs"
+        inputs.mkdir(parents=True, exist_ok=True)
+        for sha, blob in payload["blobs"].items():
+            if hashlib.sha256(blob).hexdigest() != sha:
+                raise ValueError(f"input {sha[:12]} arrived damaged")
+            _atomic_write(inputs / sha, blob)
+        with self.mu:
+            return self.state.add_sweep(payload["name"], payload["path"], payload["spec"],
+                                        payload["trials"])
+
+    def cancel(self, target: str) -> list[str]:
+        """Cancel a sweep (every trial not yet finished) or one trial."""
+        with self.mu:
+            sweep = self.state.one("SELECT * FROM sweeps WHERE id = ?", (target,))
+            if sweep is not None:
+                tids = [r["id"] for r in self.state.q(
+                    "SELECT id FROM trials WHERE sweep = ?", (target,))]
+            elif self.state.trial(target) is not None:
+                tids = [target]
+            else:
+                raise KeyError(f"no sweep or trial named {target!r}")
+            done = []
+            for tid in tids:
+                t = self.state.trial(tid)
+                if t["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    continue
+                self.state.move(tid, TrialState.CANCELLED, "cancelled by user")
+                done.append(tid)
+                for a in self.state.q("SELECT * FROM attempts WHERE trial = ? AND status != 'ended'",
+                                      (tid,)):
+                    agent = self.agents.get(a["node"])
+                    if agent is not None:
+                        agent.cancel.remote(a["id"])
+            if sweep is not None:
+                self.state.set_sweep_state(target, SweepState.CANCELLED, "cancelled by user")
+            else:
+                self._maybe_done(self.state.trial(target)["sweep"])
+            return done
+
+    def resume(self, sid: str) -> dict:
+        with self.mu:
+            s = self.state.one("SELECT * FROM sweeps WHERE id = ?", (sid,))
+            if s is None:
+                raise KeyError(f"no sweep named {sid!r}")
+            if s["state"] == SweepState.INTERRUPTED.value:
+                self.state.set_sweep_state(sid, SweepState.RUNNING, "resumed by user")
+            left = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state NOT IN"
+                                  " ('SUCCEEDED','FAILED','CANCELLED')", (sid,))["n"]
+            return {"sweep": sid, "state": self.state.one(
+                "SELECT state FROM sweeps WHERE id = ?", (sid,))["state"], "unfinished": left}
+
+    # ------------------------------------------------------------ from agents
+    def started(self, aid: int, pid: int, t: float) -> None:
+        with self.mu:
+            a = self.state.attempt(aid)
+            if a is None or a["status"] != "placed":
+                return
+            trial = self.state.trial(a["trial"])
+            self.state.update_attempt(aid, status="running", started=t, pid=pid,
+                                      dispatch_s=t - a["ready"])
+            if trial["state"] == TrialState.PLACED.value:
+                self.state.move(a["trial"], TrialState.RUNNING,
+                                f"engine process {pid} started on {a['node']}", attempt=aid)
+
+    def ingest(self, aid: int, events: list[dict]) -> int:
+        with self.mu:
+            a = self.state.attempt(aid)
+            new = self.stores.ingest(a["sweep"], a["trial"], aid, events)
+            steps = [e for e in events if e.get("event") == "step"]
+            if steps:
+                last = steps[-1]
+                peak = max([a["peak_gb"] or 0.0] + [e["peak_gb"] for e in steps])
+                self.state.update_attempt(aid, step=last["step"], loss=last["loss"], peak_gb=peak)
+            return new
+
+    def checkpoint(self, aid: int, step: int, files: dict[str, bytes]) -> None:
+        with self.mu:
+            a = self.state.attempt(aid)
+            self.stores.put_checkpoint(a["sweep"], a["trial"], aid, step, files)
+
+    # ------------------------------------------------------------ the loop
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.turn()
+            except Exception:  # keep the head alive; say what went wrong in logs/head.log
+                log = self.root / "logs" / "head.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with open(log, "a", encoding="utf-8") as f:
+                    f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} controller turn failed\n"
+                            f"{traceback.format_exc()}\n")
+                time.sleep(1.0)
+
+    def turn(self) -> None:
+        if self.clock() - self.nodes_seen > NODES_EVERY_S:
+            self.refresh_nodes()
+        refs = list(self.inflight)
+        ready = []
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TICK_S)
+        else:
+            time.sleep(TICK_S)
+        for ref in ready:
+            aid, tid, node = self.inflight.pop(ref)
+            try:
+                result = ray.get(ref)
+            except LOST as e:
+                result = AttemptResult(attempt=aid, outcome="node_lost",
+                                       message=f"node {node} lost ({type(e).__name__})")
+                self.agents.pop(node, None)   # its agent died with it; a new one if it returns
+            with self.mu:
+                self.busy.pop(node, None)
+                self.free_since[node] = self.clock()
+                self.finish(aid, result)
+        with self.mu:
+            self.place()
+
+    def refresh_nodes(self) -> None:
+        self.nodes_seen = self.clock()
+        seen = {n.name: n for n in self.list_nodes() if n.alive}
+        with self.mu:
+            self.nodes = seen
+            for name in list(self.agents):
+                if name not in seen:
+                    self.agents.pop(name)
+            for name in seen:
+                if name not in self.agents:
+                    self.agents[name] = self.spawn_agent(name)
+                    self.free_since[name] = self.clock()
+
+    # ------------------------------------------------------------ placement
+    def place(self) -> None:
+        free = [n for n in self.nodes.values() if n.name not in self.busy and n.name in self.agents]
+        sweeps = self.state.q("SELECT * FROM sweeps WHERE state = 'RUNNING' "
+                              "ORDER BY priority DESC, created")
+        for s in sweeps:
+            cap = s["concurrency"]
+            live = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN "
+                                  "('PLACED','RUNNING')", (s["id"],))["n"]
+            spec = json.loads(s["spec"])
+            placement = spec.get("placement") or {}
+            knobs = spec.get("planner") or {}
+            for t in self.state.q("SELECT * FROM trials WHERE sweep = ? AND state = 'PENDING' "
+                                  "ORDER BY idx", (s["id"],)):
+                if not free or (cap is not None and live >= cap):
+                    break
+                excluded = set(json.loads(t["excluded"]))
+                candidates = [n for n in self.nodes.values()
+                              if n.matches(placement) and n.name not in excluded]
+                if not candidates:
+                    if excluded and self.nodes:
+                        self.state.move(t["id"], TrialState.FAILED,
+                                        f"out of memory at segment_size 1 on {sorted(excluded)} "
+                                        "and no other node matches")
+                        self._maybe_done(s["id"])
+                    continue
+                plans = {n.name: self._plan(t, n, knobs) for n in candidates}
+                if not any(p.fits for p in plans.values()):
+                    worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
+                    self.state.move(t["id"], TrialState.FAILED, f"does not fit any node ({worst})")
+                    self._maybe_done(s["id"])
+                    continue
+                fitting = [n for n in free if n.name in plans and plans[n.name].fits]
+                if not fitting:
+                    continue   # it fits somewhere busy: wait for that node
+                node = max(fitting, key=lambda n: (plans[n.name].segment_size, -n.memory_gb))
+                self.dispatch(t, node, plans[node.name])
+                free.remove(node)
+                live += 1
+
+    def _plan(self, t, node: NodeInfo, knobs: dict):
+        job = JobSpec.model_validate(json.loads(t["job"]))
+        return planner.plan(planner.ModelInfo.from_dict(json.loads(t["model_info"])), job,
+                            seq_len=t["seq_len"], budget_gb=node.memory_gb,
+                            margin=knobs.get("margin", 0.15), scale=knobs.get("scale", 1.0),
+                            below=t["max_segment"])
+
+    def dispatch(self, t, node: NodeInfo, plan) -> None:
+        tid = t["id"]
+        ckpt = self.stores.latest_checkpoint(tid)
+        # Runnable since: the trial was pending and this node was free (the later).
+        ready = max(t["runnable_since"], self.free_since.get(node.name, 0.0))
+        aid = self.state.add_attempt(tid, node=node.name, chip=node.chip,
+                                     segment_size=plan.segment_size,
+                                     predicted_gb=plan.predicted_gb, budget_gb=node.memory_gb,
+                                     resume_step=ckpt[0] if ckpt else None, ready=ready)
+        how = f"resuming from step {ckpt[0]}" if ckpt else "from the start"
+        self.state.move(tid, TrialState.PLACED,
+                        f"placed on {node.name} ({node.node_class}) at segment_size "
+                        f"{plan.segment_size}, predicted peak {plan.predicted_gb:.3f} GB, {how}",
+                        attempt=aid)
+        job = json.loads(t["job"])
+        mem = job.setdefault("memory", {})
+        mem["segment_size"] = plan.segment_size
+        mem["budget_gb"] = min(mem.get("budget_gb") or node.memory_gb, node.memory_gb)
+        data = {name: (self.root / "inputs" / sha).read_bytes()
+                for name, sha in json.loads(t["inputs"]).items()}
+        spec = AttemptSpec(sweep=t["sweep"], trial=tid, attempt=aid, job=job, data=data,
+                           checkpoint_step=ckpt[0] if ckpt else None,
+                           checkpoint=ckpt[1] if ckpt else {})
+        ref = self.agents[node.name].run.remote(spec)
+        self.inflight[ref] = (aid, tid, node.name)
+        self.busy[node.name] = aid
+
+    # ------------------------------------------------------------ outcomes
+    def finish(self, aid: int, r: AttemptResult) -> None:
+        a = self.state.attempt(aid)
+        tid, sid = a["trial"], a["sweep"]
+        peak = max(a["peak_gb"] or 0.0, r.peak_gb or 0.0) or None
+        self.state.update_attempt(aid, status="ended", outcome=r.outcome, message=r.message,
+                                  ended=self.clock(), peak_gb=peak, final_loss=r.final_loss,
+                                  val_loss=r.val_loss, step=r.steps or a["step"])
+        self._seal(aid)
+        t = self.state.trial(tid)
+        state = TrialState(t["state"])
+        if state in (TrialState.CANCELLED, TrialState.SUCCEEDED, TrialState.FAILED):
+            return self._maybe_done(sid)
+        seg, node = a["segment_size"], a["node"]
+        if r.outcome == "succeeded":
+            self.stores.put_adapter(sid, tid, aid, r.adapter)
+            self.state.move(tid, TrialState.SUCCEEDED, f"finished on {node}: final loss "
+                            f"{r.final_loss}, val loss {r.val_loss}", attempt=aid,
+                            final_loss=r.final_loss, val_loss=r.val_loss, message="")
+        elif r.outcome == "oom":
+            self.state.move(tid, TrialState.OOM, f"{node}: {r.message}", attempt=aid)
+            if not self._retry_left(tid, sid, aid):
+                pass
+            elif seg > 1:
+                self.state.move(tid, TrialState.PENDING,
+                                f"re-plan below segment_size {seg} after out of memory on {node}",
+                                attempt=aid, max_segment=min(seg, t["max_segment"] or seg))
+            else:
+                excluded = sorted(set(json.loads(t["excluded"])) | {node})
+                self.state.move(tid, TrialState.PENDING,
+                                f"out of memory at segment_size 1 on {node}: try a larger node",
+                                attempt=aid, excluded=json.dumps(excluded))
+        elif r.outcome in ("node_lost", "interrupted"):
+            self.state.move(tid, TrialState.NODE_LOST, r.message, attempt=aid)
+            if r.outcome == "interrupted" or self._retry_left(tid, sid, aid):
+                ckpt = self.stores.latest_checkpoint(tid)
+                self.state.move(tid, TrialState.PENDING, "resume from checkpoint step "
+                                f"{ckpt[0]}" if ckpt else "restart: no checkpoint yet", attempt=aid)
+        elif r.outcome == "cancelled":
+            self.state.move(tid, TrialState.CANCELLED, "cancelled", attempt=aid)
+        else:
+            self.state.move(tid, TrialState.FAILED, r.message or "failed", attempt=aid,
+                            message=r.message)
+        self._maybe_done(sid)
+
+    def _retry_left(self, tid: str, sid: str, aid: int) -> bool:
+        retries = self.state.one("SELECT retries FROM sweeps WHERE id = ?", (sid,))["retries"]
+        used = self.state.one("SELECT COUNT(*) AS n FROM attempts WHERE trial = ? AND "
+                              "outcome != 'interrupted'", (tid,))["n"]
+        if used > retries:
+            self.state.move(tid, TrialState.FAILED, f"retries spent ({used} attempts, "
+                            f"retries: {retries})", attempt=aid, message="retries spent")
+            return False
+        return True
+
+    def _maybe_done(self, sid: str) -> None:
+        left = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state NOT IN "
+                              "('SUCCEEDED','FAILED','CANCELLED')", (sid,))["n"]
+        s = self.state.one("SELECT state FROM sweeps WHERE id = ?", (sid,))
+        if left == 0 and s["state"] in (SweepState.RUNNING.value, SweepState.INTERRUPTED.value):
+            self.state.set_sweep_state(sid, SweepState.DONE, "every trial finished")
+
+    def _seal(self, aid: int) -> None:
+        a = self.state.attempt(aid)
+        row = {k: a[k] for k in ("trial", "attempt_no", "node", "chip", "segment_size",
+                                 "predicted_gb", "budget_gb", "outcome", "message", "started",
+                                 "ended", "peak_gb", "final_loss", "val_loss")}
+        row.update(attempt=aid, steps=a["step"] or 0)
+        self.stores.seal_attempt(a["sweep"], a["trial"], aid, row)
+
+    # ------------------------------------------------------------ restart
+    def recover(self) -> None:
+        """A new head over an old state.db: attempts that were in flight belong to a
+        head that is gone. Close them, send their trials back to PENDING (resumed
+        from their last checkpoint), and hold their sweeps until `segctl resume`."""
+        for a in self.state.q("SELECT * FROM attempts WHERE status != 'ended'"):
+            self.finish(a["id"], AttemptResult(attempt=a["id"], outcome="interrupted",
+                                               message="the head restarted during this attempt"))
+        for a in self.state.q("SELECT id FROM attempts WHERE status = 'ended'"):
+            if not self.stores.is_sealed(a["id"]):
+                self._seal(a["id"])
+        for s in self.state.q("SELECT id FROM sweeps WHERE state = 'RUNNING'"):
+            self.state.set_sweep_state(s["id"], SweepState.INTERRUPTED,
+                                       "the head restarted; `segctl resume` continues it")
+
+
+def _atomic_write(path: Path, blob: bytes) -> None:
+    if path.exists():
+        return
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------ the actor
+
+class Head:
+    """Controller as a Ray actor: requests arrive on Ray's threads, the loop runs on
+    its own."""
+
+    def __init__(self, root: str):
+        from node.agent import spawn
+        from orchestrator.fleet import nodes
+        me = ray.get_runtime_context().current_actor
+        self.root = root
+        self.c = Controller(Path(root), list_nodes=nodes, spawn_agent=lambda n: spawn(n, me))
+        self.stop = threading.Event()
+        threading.Thread(target=self.c.run_forever, args=(self.stop,), daemon=True,
+                         name="controller").start()
+
+    def ping(self) -> dict:
+        return {"root": self.root, "pid": os.getpid(), "nodes": sorted(self.c.nodes),
+                "busy": dict(self.c.busy)}
+
+    def submit(self, payload: dict) -> str:
+        return self.c.submit(payload)
+
+    def cancel(self, target: str) -> list[str]:
+        return self.c.cancel(target)
+
+    def resume(self, sid: str) -> dict:
+        return self.c.resume(sid)
+
+    def started(self, aid: int, pid: int, t: float) -> None:
+        self.c.started(aid, pid, t)
+
+    def ingest(self, aid: int, events: list[dict]) -> int:
+        return self.c.ingest(aid, events)
+
+    def checkpoint(self, aid: int, step: int, files: dict) -> None:
+        self.c.checkpoint(aid, step, files)
+
+
+def get_head(root: Path, *, create: bool = True):
+    """The running head actor for this stores root (created if asked and absent)."""
+    try:
+        head = ray.get_actor(HEAD_NAME, namespace=NAMESPACE)
+    except ValueError:
+        if not create:
+            raise ConnectionError("no segctl head is running on this cluster") from None
+        head = ray.remote(Head).options(
+            name=HEAD_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            num_cpus=0, max_concurrency=64, resources={"segctl_head": 0.001},
+        ).remote(str(root))
+    info = ray.get(head.ping.remote(), timeout=120)
+    if Path(info["root"]) != Path(root):
+        raise ConnectionError(f"this cluster's head keeps its stores in {info['root']}, not {root}")
+    return head

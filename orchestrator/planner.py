@@ -1,0 +1,335 @@
+"""The memory planner: a trial's peak memory, predicted from the model's shape
+before anything runs, and the segment size a node's budget allows.
+
+`predict_gb` adds up what the engine keeps alive during one step (engine/step.py,
+engine/attention.py, engine/train.py): the weights and the LoRA optimizer state
+for the whole step, the segment boundaries, and on top of them the largest of the
+transients (a layer's forward, one loss-head chunk, one segment's backward). The
+multipliers are fitted to the engine's own measured peaks on this CPU
+(`python -m bench.planner_fit`, rows in bench/results/planner-cpu.jsonl) so that
+every measured row sits at or under its prediction (ratios 1.05-1.47 there).
+
+MLX's attention is unfused whenever gradients are traced (CPU always; Metal too:
+"it's faster for training on Metal to use the unfused SDPA"), so every layer's
+forward holds its [heads, L, L] scores for a moment, blocked backward or not.
+MLX on CUDA fuses it, so there long blocked rows are over-predicted several
+times (bench/results/h200-*.jsonl); a fleet corrects a systematic error with
+the planner's `scale`.
+
+`plan` turns predictions into a decision against a node's budget:
+`memory.segment_size: auto` gets the largest (fastest) size whose prediction
+stays under the budget less a margin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from schemas.job import JobSpec
+from schemas.records import Plan
+
+GB = 1e9
+F32 = 4  # LoRA parameters, their grads and AdamW moments, and the loss head's logits are fp32
+
+# Multipliers fitted to the engine's measured peaks (bench/planner_fit.py) so that
+# every measured row is at or under its prediction; each is a count of arrays.
+LORA_COPIES = 7.5        # fp32 LoRA-sized arrays: values, grads, clipped grads, 2 AdamW moments,
+                         # and the new values the update computes before the old ones go
+SAVED_WIDTH = 1.25       # a layer's per-token activations (_layer_width) that vjp keeps
+TRANSIENT_WIDTH = 0.5    # ... that a layer's forward or backward adds while it runs
+SAVED_SCORES = 1.0       # [heads, L, L] attention matrices a layer keeps for its backward (probs)
+BACKWARD_SCORES = 3.25   # ... that its backward adds: d(probs), d(scores), their product
+FORWARD_SCORES = 1.8     # ... that its unfused forward holds at once: scores, probs
+BLOCK_SCORES = 3.25      # [heads, attn_block, L] matrices one query block of the blocked backward holds
+MASK_BYTES = 2.0         # bytes per [L, L] entry of the causal mask unfused attention builds
+HEAD_COPIES = 3.6        # fp32 [tokens, vocab] matrices the head holds: logits, exp, cotangent
+PLAIN_HEAD_EXTRA = 1.5   # more fp32 [L, vocab] copies in plain mode's unchunked cross-entropy
+HALF_BYTES = 2.75        # bytes an activation entry costs in a bf16/fp16 model (see _peak_bytes)
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_CONFIG_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The facts about a model the planner needs; built on the submitting machine
+    (which has the model folder) and shipped to the head as a dict."""
+    model_type: str
+    n_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    weight_bytes: int   # the model's safetensors on disk, which is what MLX loads
+    act_bytes: int      # 4 for float32, 2 for bf16/fp16 (activations follow the weights' dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelInfo":
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise ValueError(f"model info lacks {', '.join(missing)}")
+        return cls(**{n: d[n] if n == "model_type" else int(d[n]) for n in names})
+
+
+def model_info(model_dir: str) -> ModelInfo:
+    """ModelInfo from a local Hugging Face folder: config.json (its text_config wins
+    where a multimodal config nests one) and the sizes and dtypes of *.safetensors.
+    Raises ValueError with one line naming the folder."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: model folder not found")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{folder}: no config.json (expected a Hugging Face model folder)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder}/config.json: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder}/config.json: expected a JSON object")
+    cfg = {**config, **config.get("text_config", {})} if isinstance(
+        config.get("text_config"), dict) else config
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{folder}: no *.safetensors weights")
+
+    def whole(*keys, default=None):
+        """The first of `keys` the config has, as a positive whole number."""
+        for k in keys:
+            v = cfg.get(k)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{folder}/config.json: {k}: expected a whole number, got {v!r}")
+                return v
+        if default is None:
+            raise ValueError(f"{folder}/config.json: {keys[0]}: missing")
+        return default
+
+    hidden = whole("hidden_size", "d_model", "n_embd")
+    heads = whole("num_attention_heads", "n_head")
+    return ModelInfo(model_type=str(cfg.get("model_type", "?")),
+                     n_layers=whole("num_hidden_layers", "n_layer", "num_layers"),
+                     hidden=hidden,
+                     intermediate=whole("intermediate_size", "ffn_dim", default=4 * hidden),
+                     heads=heads,
+                     kv_heads=whole("num_key_value_heads", default=heads),
+                     head_dim=whole("head_dim", default=hidden // heads),
+                     vocab=whole("vocab_size"),
+                     weight_bytes=sum(p.stat().st_size for p in weights),
+                     act_bytes=_act_bytes(weights, cfg))
+
+
+def _act_bytes(weights: list[Path], cfg: dict) -> int:
+    """Bytes per activation: the dtype holding most of the floating-point weights
+    (MLX computes in the weights' dtype; a quantized model's scales carry it),
+    read from the safetensors headers; config's torch_dtype only if they say nothing."""
+    by_dtype: dict[int, int] = {}
+    for path in weights:
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error):
+            raise ValueError(f"{path}: not a safetensors file") from None
+        for name, t in header.items():
+            if name != "__metadata__" and isinstance(t, dict) and t.get("dtype") in _DTYPE_BYTES:
+                size = _DTYPE_BYTES[t["dtype"]]
+                by_dtype[size] = by_dtype.get(size, 0) + math.prod(t.get("shape") or [1]) * size
+    if by_dtype:
+        return min(4, max(by_dtype, key=by_dtype.get))
+    return _CONFIG_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
+
+
+def longest_row(job: JobSpec) -> int:
+    """Tokens in the longest train/valid row, after the job's truncation/skip rules:
+    the sequence length the plan must hold. Loads the tokenizer, not the weights."""
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.data import load_dataset
+
+    folder = Path(job.model)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder}: not a model folder (no config.json)")
+    try:
+        eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
+        tokenizer = load_tokenizer(folder, eos_token_ids=eos)
+    except Exception as e:  # a broken tokenizer is the user's folder, not our bug
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{folder}: cannot load tokenizer: {msg}") from None
+    d = job.data
+    opts = dict(mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length, overlong=d.overlong)
+    return max(len(ex.ids) for path in (d.train, d.valid) if path
+               for ex in load_dataset(path, tokenizer, **opts).examples)
+
+
+# ---------------------------------------------------------------- the estimate
+
+def predict_gb(info: ModelInfo, *, seq_len: int, segment_size: int, lora_rank: int = 8,
+               lora_layers: int = -1, head_chunk: int = 512, attn_block: int = 2048,
+               grad_checkpoint: bool = False, method: str = "sft") -> float:
+    """Predicted peak GB of one training step on rows of up to `seq_len` tokens.
+
+    Two maxima keep the answer usable for planning: a data set's longest row is
+    `seq_len` but its other rows are shorter, and a row just short enough to
+    skip the blocked attention backward can need more than a longer one, so the
+    worst length up to `seq_len` counts; and a larger segment is never predicted
+    to need less than a smaller one (on very deep models fewer boundaries could
+    outweigh a layer's activations; the smaller size's figure stands then), so
+    the OOM path's "smaller is safer" holds.
+    """
+    if segment_size < 0:
+        raise ValueError(f"segment_size must be >= 0, got {segment_size}")
+    return _curve(info, seq_len, min(segment_size, info.n_layers), lora_rank, lora_layers,
+                  head_chunk, attn_block, grad_checkpoint, method)[-1]
+
+
+def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers: int,
+           head_chunk: int, attn_block: int, grad_checkpoint: bool, method: str) -> list[float]:
+    """Predicted GB for segment sizes 1..top (index s-1), each at least the one
+    before; [plain] when top is 0."""
+    if method != "sft":
+        raise ValueError(f"method {method!r}: the planner knows sft only")
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    n_lora = info.n_layers if lora_layers < 0 else min(lora_layers, info.n_layers)
+    lengths = [seq_len]
+    if top and 0 < attn_block < seq_len - 1:
+        lengths.append(attn_block + 1)  # the longest row the blocked backward leaves alone
+
+    def worst(s):
+        return max(_peak_bytes(info, L, s, lora_rank, n_lora, head_chunk, attn_block,
+                               grad_checkpoint) for L in lengths) / GB
+
+    if top == 0:
+        return [worst(0)]
+    out: list[float] = []
+    for s in range(1, top + 1):
+        out.append(max(worst(s), out[-1] if out else 0.0))
+    return out
+
+
+def _layer_width(info: ModelInfo) -> int:
+    """Values per token a decoder layer keeps for its backward: its input and both
+    norm outputs and the residual (4 x hidden); q, k, v before and after norm/RoPE
+    and the attention output (3 x (heads + kv_heads) x head_dim); the MLP's gate,
+    up, activation and product (4 x intermediate)."""
+    return (4 * info.hidden + 3 * (info.heads + info.kv_heads) * info.head_dim
+            + 4 * info.intermediate)
+
+
+def _lora_params(info: ModelInfo, rank: int, n_layers: int) -> int:
+    """rank x (in + out) for each of q, k, v, o, gate, up, down in the LoRA layers."""
+    q, kv = info.heads * info.head_dim, info.kv_heads * info.head_dim
+    per_layer = (7 * info.hidden + 2 * q + 2 * kv + 3 * info.intermediate) * rank
+    return per_layer * n_layers
+
+
+def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_chunk: int,
+                attn_block: int, grad_checkpoint: bool) -> float:
+    """Peak bytes of one step on a row of L tokens at segment size s (0: plain)."""
+    n = info.n_layers
+    # Bytes per activation entry. Half precision costs more than its 2 bytes:
+    # MLX's softmax runs in fp32 and CPU matmuls go through fp32 copies.
+    a = info.act_bytes if info.act_bytes >= F32 else HALF_BYTES
+
+    # Alive through the whole step: the frozen weights, and the LoRA parameters
+    # with their grads and AdamW moments (fp32 whatever the model's dtype).
+    resident = info.weight_bytes + LORA_COPIES * F32 * _lora_params(info, rank, n_lora)
+    # One [L, hidden] hidden state: a segment boundary, dh, a recomputed layer input.
+    hidden_state = L * info.hidden * a
+    # One [heads, L, L] attention matrix, with the [L, L] causal mask built beside it.
+    scores = (info.heads * a + MASK_BYTES) * L * L
+    # A decoder layer's per-token activations (projections, norms, MLP).
+    width = L * _layer_width(info) * a
+    # What a layer under vjp keeps for its backward; what running its backward or
+    # its forward adds while it runs.
+    layer_saved = SAVED_WIDTH * width + SAVED_SCORES * scores
+    layer_backward = TRANSIENT_WIDTH * width + BACKWARD_SCORES * scores
+    layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * scores
+    # The loss head per (token, vocab) entry: fp32 logits, exp and cotangent; a
+    # half-precision model also holds the logits and their cotangent in its dtype.
+    head_entry = HEAD_COPIES * F32 + (2 * info.act_bytes if info.act_bytes < F32 else 0)
+
+    if s == 0:
+        # Plain autodiff: every layer's activations (grad_checkpoint: every layer's
+        # input and one layer recomputed), then the whole [L, vocab] cross-entropy
+        # or one layer's backward on top.
+        head = L * info.vocab * (head_entry + PLAIN_HEAD_EXTRA * F32)
+        kept = n * hidden_state + layer_saved if grad_checkpoint else n * layer_saved
+        return resident + 2 * hidden_state + kept + max(head, layer_backward)
+
+    # Segmented: the n/s + 1 boundaries, dh and the head's pieces of it live
+    # through the step; on top of them the largest of one layer's forward, one
+    # head chunk, and one segment's backward.
+    boundaries = (math.ceil(n / s) + 3) * hidden_state
+    head = min(head_chunk, L) * info.vocab * head_entry
+    if 0 < attn_block < L - 1:
+        # Blocked attention backward: the segment's layer inputs are kept, then one
+        # layer at a time runs its vjp with attention's q, k, v, dO recorded (and
+        # fp32 dk, dv sums); attention holds one query block's scores or, in the
+        # record and replay passes, its unfused forward's.
+        qkv = L * (info.heads + 2 * info.kv_heads) * info.head_dim * (a + F32)
+        attention = max(FORWARD_SCORES * scores, BLOCK_SCORES * info.heads * attn_block * L * a)
+        segment = s * hidden_state + (SAVED_WIDTH + TRANSIENT_WIDTH) * width + qkv + attention
+    else:
+        # The segment's s layers under one vjp, then the backward of each.
+        segment = s * layer_saved + layer_backward
+    return resident + boundaries + max(layer_forward, head, segment)
+
+
+# ---------------------------------------------------------------- the decision
+
+def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float, margin: float = 0.15,
+         scale: float = 1.0, below: int | None = None) -> Plan:
+    """The segment size for `job` on a node with `budget_gb`: a fixed size as the job
+    gives it; `auto`: the largest that fits; `below` (after an OOM at that size):
+    the largest smaller one that fits. Fits when scale x prediction <= budget x (1 - margin)."""
+    limit = budget_gb * (1 - margin)
+    mem = job.memory
+
+    def curve(top: int) -> list[float]:
+        return [scale * gb for gb in _curve(
+            info, seq_len, top, job.lora.rank, job.lora.num_layers, mem.head_chunk,
+            mem.attn_block, mem.grad_checkpoint, job.method)]
+
+    def predicted(size: int) -> float:
+        return curve(min(size, info.n_layers))[-1]
+
+    def answer(size: int, fits: bool, reason: str, gb: float | None = None) -> Plan:
+        gb = predicted(size) if gb is None else gb
+        return Plan(segment_size=size, predicted_gb=round(gb, 4), budget_gb=budget_gb,
+                    fits=fits, reason=reason)
+
+    room = f"budget {budget_gb:g} GB less {margin:.0%} margin"
+    if below is not None and below < 1:
+        raise ValueError(f"below must be >= 1, got {below}")
+    if below == 1:
+        return answer(1, False, "already at segment_size 1: no smaller size to try")
+    if below is None and mem.segment_size != "auto":
+        size = mem.segment_size
+        gb = predicted(size)
+        what = "plain autodiff (segment_size 0)" if size == 0 else f"segment_size {size}"
+        verdict = "fits" if gb <= limit else "does not fit"
+        return answer(size, gb <= limit, f"{what} as the job asks: {verdict}, needs {gb:.3g} GB, "
+                                         f"{room}", gb)
+
+    top = info.n_layers if below is None else min(below - 1, info.n_layers)
+    after = "" if below is None else f"after out of memory at segment_size {below}: "
+    gbs = curve(top)
+    for size in range(top, 0, -1):  # largest first: the fewest recomputes
+        gb = gbs[size - 1]
+        if gb <= limit:
+            which = (f"segment_size {size} (all layers in one segment) fits" if size == info.n_layers
+                     else f"segment_size {size} of {info.n_layers} layers is the largest that fits")
+            return answer(size, True, f"{after}{which}: needs {gb:.3g} GB, {room}", gb)
+    gb = gbs[0]
+    return answer(1, False, f"{after}does not fit: needs {gb:.3g} GB at segment_size 1, {room}", gb)

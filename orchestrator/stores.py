@@ -1,0 +1,525 @@
+"""The central stores on the head: telemetry as it arrives, Parquet tables and
+per-phase memory once an attempt ends, adapters and checkpoints per trial.
+
+    staging.db       SQLite (WAL): every event of every attempt, as delivered,
+                     keyed by (attempt, seq) so a re-delivered batch adds nothing
+    telemetry/       Parquet, hive-partitioned by sweep, one file per attempt:
+                     steps/, evals/, attempts/ (schemas/store_rows.py)
+    memory.zarr      <sweep>/<trial>/attempt-<id>: float32 [steps, phases] peaks
+    adapters.zarr    <trial>/adapter: one array per LoRA tensor;
+                     <trial>/checkpoints/step-NNNNNNN: one uint8 array per file
+
+The collector on the head is the only writer; `segctl status/logs/gather` read.
+Readers never see a half-written file: every Parquet file and zarr node is built
+under `.staging/` (same file system, listed by no reader) and renamed into place.
+Nothing here knows about Ray or the trial state machine (state.db is the head's).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import itertools
+import json
+import math
+import os
+import shutil
+import sqlite3
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zarr
+from zarr.storage import LocalStore
+
+from schemas import store_rows as sr
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+  attempt INTEGER NOT NULL, seq INTEGER NOT NULL,
+  body TEXT NOT NULL,                 -- the event's JSON as it arrived (seq included)
+  PRIMARY KEY (attempt, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS attempts (
+  attempt INTEGER PRIMARY KEY, sweep TEXT NOT NULL, trial TEXT NOT NULL,
+  sealed REAL);                       -- set once its Parquet files and memory array are in place
+"""
+
+CHUNK_BYTES = 16 << 20            # a checkpoint file is stored in chunks of this size
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+_counter = itertools.count()
+
+# safetensors dtype code -> numpy dtype as stored in zarr. BF16 has no numpy
+# dtype: it is widened to float32 (exact) and narrowed back when a file is rebuilt.
+DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<f4",
+          "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+          "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "|b1"}
+ITEMSIZE = {"BF16": 2}
+# zarr skips a chunk equal to the fill value, and -0.0 == 0.0: write them all, for bit-exactness.
+_EVERY_CHUNK = {"write_empty_chunks": True}
+
+
+class Stores:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._con: sqlite3.Connection | None = None
+        self._writer = False
+        self._known: dict[int, tuple[str, str]] = {}   # attempt -> (sweep, trial) registered
+        self._lock = threading.RLock()
+
+    # ================================================================ write side
+
+    def ingest(self, sweep: str, trial: str, attempt: int, events: list[dict]) -> int:
+        """Keep a batch of an attempt's events; returns how many were new (a batch
+        delivered twice counts once)."""
+        try:
+            rows = [(attempt, e["seq"], _encode(e)) for e in events]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"attempt {attempt}: every event must be a JSON object with an "
+                             f"integer 'seq' ({type(e).__name__}: {e})") from None
+        with self._lock, _transaction(self._db(write=True)) as con:
+            self._register(con, sweep, trial, attempt)
+            new = con.executemany("INSERT OR IGNORE INTO events VALUES (?, ?, ?)", rows).rowcount
+        return max(new, 0)
+
+    def seal_attempt(self, sweep: str, trial: str, attempt: int, row: dict) -> None:
+        """The attempt ended: write its steps, evals and attempts Parquet files and its
+        memory array from what was ingested, then mark it sealed. Sealing again writes
+        the same bytes under the same names (an unchanged file is not touched)."""
+        unknown = set(row) - set(sr.ATTEMPTS.names)
+        if unknown:
+            raise ValueError(f"attempt {attempt}: attempts row: unknown column(s) {sorted(unknown)}")
+        for key, want in (("trial", trial), ("attempt", attempt)):
+            if row.get(key, want) != want:
+                raise ValueError(f"attempt {attempt}: attempts row: {key} is {row[key]!r}, not {want!r}")
+        with self._lock:
+            with _transaction(self._db(write=True)) as con:
+                self._register(con, sweep, trial, attempt)
+            events = [json.loads(b) for (b,) in con.execute(
+                "SELECT body FROM events WHERE attempt = ? ORDER BY seq", (attempt,))]
+            tables = attempt_tables(trial, attempt, events)
+            tables["attempts"] = pa.Table.from_pylist(
+                [{**row, "trial": trial, "attempt": attempt}], schema=sr.ATTEMPTS)
+            for name in ("steps", "evals", "attempts"):
+                self._put_parquet(tables[name], self.root / sr.telemetry_file(name, sweep, attempt))
+            peaks, labels, steps = phase_peaks(events)
+            self._put_memory(sweep, trial, attempt, peaks, labels, steps,
+                             node=row.get("node"), segment_size=row.get("segment_size"))
+            with _transaction(con):
+                con.execute("UPDATE attempts SET sealed = COALESCE(sealed, CAST(strftime('%s', "
+                            "'now') AS REAL)) WHERE attempt = ?", (attempt,))
+
+    def put_checkpoint(self, sweep: str, trial: str, attempt: int, step: int,
+                       files: dict[str, bytes]) -> None:
+        """Keep a checkpoint folder's files exactly; only the newest few per trial stay."""
+        _safe("trial", trial)
+        for name in files:
+            _safe("checkpoint file", name)
+        attrs = dict(step=int(step), attempt=int(attempt), sweep=sweep, trial=trial,
+                     files=sorted(files))
+        with self._lock:
+            self._db(write=True)
+            ckpts = self.root / sr.ADAPTERS_ZARR / trial / "checkpoints"
+            self._ensure_group(ckpts)
+            self._put_dir(self.root / sr.checkpoint_group(trial, step),
+                          lambda folder: write_files_group(folder, files, attrs))
+            for old in _checkpoint_dirs(ckpts)[:-sr.KEEP_CHECKPOINTS]:
+                self._remove(old)
+
+    def put_adapter(self, sweep: str, trial: str, attempt: int, files: dict[str, bytes]) -> None:
+        """Keep a trial's final adapter: its tensors as arrays (bit-exact), the config
+        and the safetensors header as attributes, so the files can be rebuilt as they were."""
+        _safe("trial", trial)
+        missing = {"adapters.safetensors", "adapter_config.json"} - set(files)
+        if missing:
+            raise ValueError(f"trial {trial}: adapter is missing {sorted(missing)}")
+        header_text, tensors = read_safetensors(files["adapters.safetensors"])
+        for name in tensors:
+            _safe("adapters.safetensors: tensor", name)
+        try:
+            config = json.loads(files["adapter_config.json"])
+        except ValueError as e:
+            raise ValueError(f"trial {trial}: adapter_config.json: {e}") from None
+        attrs = dict(adapter_config=config, dtypes={n: t[0] for n, t in tensors.items()},
+                     safetensors_header=header_text, attempt=int(attempt), sweep=sweep, trial=trial)
+        with self._lock:
+            self._db(write=True)
+            self._ensure_group(self.root / sr.ADAPTERS_ZARR / trial)
+            self._put_dir(self.root / sr.adapter_group(trial),
+                          lambda folder: write_tensors_group(folder, tensors, attrs))
+
+    # ================================================================ read side
+
+    def is_sealed(self, attempt: int) -> bool:
+        row = self._read("SELECT sealed FROM attempts WHERE attempt = ?", (attempt,))
+        return bool(row) and row[0][0] is not None
+
+    def events(self, attempt: int, after_seq: int = -1) -> list[dict]:
+        """An attempt's events in seq order (each with its `seq`), after `after_seq`."""
+        return [json.loads(b) for (b,) in self._read(
+            "SELECT body FROM events WHERE attempt = ? AND seq > ? ORDER BY seq",
+            (attempt, after_seq))]
+
+    def latest_checkpoint(self, trial: str) -> tuple[int, dict[str, bytes]] | None:
+        """(step, file name -> bytes) of the trial's newest checkpoint, or None."""
+        for _ in range(5):  # a checkpoint pruned while we read it: take the newer one
+            dirs = _checkpoint_dirs(self.root / sr.ADAPTERS_ZARR / trial / "checkpoints")
+            if not dirs:
+                return None
+            try:
+                g = zarr.open_group(store=LocalStore(dirs[-1], read_only=True), mode="r")
+                files = {n: g[n][:].tobytes() for n in g.attrs["files"]}
+            except (FileNotFoundError, KeyError):
+                continue
+            if (dirs[-1] / "zarr.json").exists():
+                return int(g.attrs["step"]), files
+        raise RuntimeError(f"trial {trial}: checkpoints keep changing under the reader")
+
+    def has_adapter(self, trial: str) -> bool:
+        return (self.root / sr.adapter_group(trial) / "zarr.json").is_file()
+
+    def adapter(self, trial: str) -> tuple[dict[str, np.ndarray], dict]:
+        """The trial's LoRA tensors (name -> array in its original dtype; bfloat16,
+        which numpy lacks, comes back widened to float32) and its adapter_config."""
+        g = self._adapter_group(trial)
+        return {n: g[n][...] for n in g.attrs["dtypes"]}, dict(g.attrs["adapter_config"])
+
+    def adapter_files(self, trial: str) -> dict[str, bytes]:
+        """The trial's mlx-lm adapter folder, rebuilt: adapters.safetensors (the same
+        bytes the engine wrote) and adapter_config.json."""
+        g = self._adapter_group(trial)
+        header_text = g.attrs["safetensors_header"]
+        raw = {n: _tensor_bytes(g[n][...], code) for n, code in g.attrs["dtypes"].items()}
+        return {"adapters.safetensors": write_safetensors(header_text, raw),
+                "adapter_config.json": (json.dumps(g.attrs["adapter_config"], indent=2) + "\n").encode()}
+
+    # ================================================================ internals
+
+    def _db(self, write: bool) -> sqlite3.Connection | None:
+        """The staging.db connection. A reader opens it only if it exists and never
+        creates it; the writer sets it up (WAL, tables) and clears temp left by a
+        head that crashed."""
+        with self._lock:
+            path = self.root / sr.STAGING_DB
+            if self._con is None:
+                if not write and not path.exists():
+                    return None
+                if write:
+                    self.root.mkdir(parents=True, exist_ok=True)
+                self._con = sqlite3.connect(path, timeout=30, isolation_level=None,
+                                            check_same_thread=False)
+            if write and not self._writer:
+                self._con.execute("PRAGMA journal_mode=WAL")
+                self._con.execute("PRAGMA synchronous=NORMAL")
+                self._con.executescript(SCHEMA)
+                self._clear_temp()
+                self._writer = True
+            return self._con
+
+    def _read(self, sql: str, args: tuple) -> list[tuple]:
+        with self._lock:
+            con = self._db(write=False)
+            if con is None:
+                return []
+            try:
+                return con.execute(sql, args).fetchall()
+            except sqlite3.OperationalError as e:
+                if "no such table" in str(e):   # created, but the writer has not set it up yet
+                    return []
+                raise
+
+    def _register(self, con, sweep: str, trial: str, attempt: int) -> None:
+        """Tie a (global) attempt id to its sweep and trial, once; a mismatch is a bug."""
+        if self._known.get(attempt) == (sweep, trial):
+            return
+        _safe("sweep", sweep)
+        _safe("trial", trial)
+        con.execute("INSERT OR IGNORE INTO attempts (attempt, sweep, trial) VALUES (?, ?, ?)",
+                    (attempt, sweep, trial))
+        have = tuple(con.execute("SELECT sweep, trial FROM attempts WHERE attempt = ?",
+                                 (attempt,)).fetchone())
+        if have != (sweep, trial):
+            raise ValueError(f"attempt {attempt} belongs to {have[0]}/{have[1]}, not {sweep}/{trial}")
+        self._known[attempt] = have
+
+    def _adapter_group(self, trial: str):
+        if not self.has_adapter(trial):
+            raise KeyError(f"trial {trial}: no adapter in the stores")
+        return zarr.open_group(store=LocalStore(self.root / sr.adapter_group(trial),
+                                                read_only=True), mode="r")
+
+    # ---- atomic placement: build under .staging/, fsync, rename into place
+
+    def _temp(self, kind: str) -> Path:
+        """A fresh temp path under .staging/ (named by pid: a later writer clears it)."""
+        base = self.root / sr.TEMP
+        base.mkdir(parents=True, exist_ok=True)
+        return base / f"{os.getpid()}-{next(_counter)}-{kind}"
+
+    def _clear_temp(self) -> None:
+        """Temp left by a writer that died (a crashed head) goes; a live one's stays."""
+        base = self.root / sr.TEMP
+        if base.is_dir():
+            for p in base.iterdir():
+                pid = p.name.split("-", 1)[0]
+                if not (pid.isdigit() and _alive(int(pid))):
+                    _rmtree(p)
+
+    def _put_parquet(self, table: pa.Table, path: Path) -> None:
+        """Write a Parquet file; an identical file already there is left untouched."""
+        tmp = self._temp("parquet")
+        try:
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f)
+                f.flush()
+                os.fsync(f.fileno())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() and filecmp.cmp(tmp, path, shallow=False):
+                tmp.unlink()
+            else:
+                os.replace(tmp, path)
+                _fsync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _put_memory(self, sweep, trial, attempt, peaks, labels, steps, *, node, segment_size):
+        target = self.root / sr.memory_array(sweep, trial, attempt)
+        self._ensure_group(target.parent)
+        attrs = dict(phases=labels, steps=steps, node=node, segment_size=segment_size,
+                     sweep=sweep, trial=trial, attempt=attempt)
+        self._put_dir(target, lambda folder: write_peaks_array(folder, peaks, attrs))
+
+    def _put_dir(self, target: Path, write) -> None:
+        """`write(folder)` builds a zarr node in temp, which then replaces `target`. An
+        identical target is left as it is; a different one is moved aside first, so a
+        reader sees the old node or the new one (for an instant neither), never a mix."""
+        tmp = self._temp("node")
+        try:
+            write(tmp)
+            _fsync_tree(tmp)
+            if target.exists():
+                if _same_tree(tmp, target):
+                    return
+                self._remove(target)
+            os.rename(tmp, target)
+            _fsync_dir(target.parent)
+        finally:
+            _rmtree(tmp)
+
+    def _ensure_group(self, path: Path) -> None:
+        """A zarr group at `path` and at every folder up to its store (`*.zarr`), each
+        built in temp and renamed in; another creator winning the race is fine."""
+        if (path / "zarr.json").is_file():
+            return
+        if not path.name.endswith(".zarr"):
+            self._ensure_group(path.parent)
+        tmp = self._temp("group")
+        try:
+            zarr.open_group(store=LocalStore(tmp), mode="w")
+            _fsync_tree(tmp)
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "zarr.json").is_file():
+                raise
+        finally:
+            _rmtree(tmp)
+
+    def _remove(self, path: Path) -> None:
+        """Take a node out of sight at once (a rename), then delete it."""
+        aside = self._temp("old")
+        os.rename(path, aside)
+        _rmtree(aside)
+
+
+@contextmanager
+def _transaction(con: sqlite3.Connection):
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        yield con
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
+
+
+# ==================================================================== tables
+
+def attempt_tables(trial: str, attempt: int, events: list[dict]) -> dict[str, pa.Table]:
+    """The steps and evals tables of one attempt from its events (seq order)."""
+    out = {}
+    for name, kind in sr.TABLE_EVENT.items():
+        schema = sr.TABLES[name]
+        rows = [e for e in events if e.get("event") == kind]
+        cols = {"trial": [trial] * len(rows), "attempt": [attempt] * len(rows)}
+        for field in schema:
+            if field.name not in cols:
+                cols[field.name] = [e.get(field.name) for e in rows]
+        out[name] = pa.table(cols, schema=schema)
+    return out
+
+
+def phase_peaks(events: list[dict]) -> tuple[np.ndarray, list[str], list[int]]:
+    """[steps, phases] float32 peaks (GB) from the phase events, NaN where a step
+    lacks a phase; the phase labels in first-seen order and the step numbers."""
+    labels: dict[str, int] = {}
+    rows: dict[int, dict[int, float]] = {}
+    for e in events:
+        if e.get("event") != "phase":
+            continue
+        row, seen = rows.setdefault(int(e["step"]), {}), {}
+        for label, peak in e["phases"]:
+            # a label twice in one step gets its own column: "label#2"
+            n = seen[label] = seen.get(label, 0) + 1
+            key = label if n == 1 else f"{label}#{n}"
+            row[labels.setdefault(key, len(labels))] = peak
+    steps = sorted(rows)
+    peaks = np.full((len(steps), len(labels)), np.nan, dtype=np.float32)
+    for i, s in enumerate(steps):
+        for j, v in rows[s].items():
+            peaks[i, j] = np.nan if v is None else v
+    return peaks, list(labels), steps
+
+
+# ==================================================================== zarr nodes
+
+def write_files_group(folder: Path, files: dict[str, bytes], attrs: dict) -> None:
+    """A group holding each file's bytes as a uint8 array (a checkpoint folder)."""
+    g = zarr.open_group(store=LocalStore(folder), mode="w", attributes=attrs)
+    for name in sorted(files):
+        blob = np.frombuffer(bytes(files[name]), dtype=np.uint8)
+        a = g.create_array(name, shape=blob.shape, dtype="u1",
+                           chunks=(max(1, min(len(blob), CHUNK_BYTES)),), config=_EVERY_CHUNK)
+        a[:] = blob
+
+
+def write_tensors_group(folder: Path, tensors: dict, attrs: dict) -> None:
+    """A group holding one array per tensor (an adapter)."""
+    g = zarr.open_group(store=LocalStore(folder), mode="w", attributes=attrs)
+    for name, (code, shape, values) in tensors.items():
+        a = g.create_array(name, shape=shape, dtype=values.dtype,
+                           chunks=tuple(max(1, d) for d in shape), config=_EVERY_CHUNK)
+        a[...] = values
+
+
+def write_peaks_array(folder: Path, peaks: np.ndarray, attrs: dict) -> None:
+    a = zarr.create_array(store=LocalStore(folder), shape=peaks.shape, dtype="float32",
+                          chunks=(max(1, min(peaks.shape[0], 4096)), max(1, peaks.shape[1])),
+                          fill_value=float("nan"), config=_EVERY_CHUNK, attributes=attrs)
+    if peaks.size:
+        a[...] = peaks
+
+
+# ==================================================================== safetensors
+
+def read_safetensors(blob: bytes) -> tuple[str, dict[str, tuple[str, tuple, np.ndarray]]]:
+    """(header JSON text, name -> (dtype code, shape, values as stored in zarr)), in the
+    file's data order. BF16 values come widened to float32 (exact)."""
+    blob = bytes(blob)
+    try:
+        n = int.from_bytes(blob[:8], "little")
+        header_text = blob[8:8 + n].decode("utf-8")
+        header = json.loads(header_text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"adapters.safetensors: unreadable header ({e})") from None
+    if len(blob) < 8 or not isinstance(header, dict):
+        raise ValueError("adapters.safetensors: not a safetensors file")
+    header.pop("__metadata__", None)
+    base, tensors = 8 + n, {}
+    try:
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        for name, h in entries:
+            code, shape, (begin, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
+            if code not in DTYPES:
+                raise ValueError(f"{name}: dtype {code} is not supported")
+            raw = blob[base + begin: base + end]
+            if len(raw) != end - begin or len(raw) != math.prod(shape) * _itemsize(code):
+                raise ValueError(f"{name}: truncated or inconsistent data")
+            if code == "BF16":
+                values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+            else:
+                values = np.frombuffer(raw, dtype=DTYPES[code])
+            tensors[name] = (code, shape, values.reshape(shape))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"adapters.safetensors: {e}") from None
+    return header_text, tensors
+
+
+def write_safetensors(header_text: str, raw: dict[str, bytes]) -> bytes:
+    """A safetensors file from its original header and each tensor's bytes."""
+    header = json.loads(header_text)
+    header.pop("__metadata__", None)
+    head = header_text.encode("utf-8")
+    size = max((h["data_offsets"][1] for h in header.values()), default=0)
+    data = bytearray(size)
+    for name, h in header.items():
+        begin, end = h["data_offsets"]
+        data[begin:end] = raw[name]
+    return len(head).to_bytes(8, "little") + head + bytes(data)
+
+
+def _tensor_bytes(values: np.ndarray, code: str) -> bytes:
+    if code == "BF16":   # widened exactly on the way in, so the low half is zero
+        return (np.ascontiguousarray(values, dtype="<f4").view(np.uint32) >> 16).astype("<u2").tobytes()
+    return np.ascontiguousarray(values, dtype=DTYPES[code]).tobytes()
+
+
+def _itemsize(code: str) -> int:
+    return ITEMSIZE.get(code) or np.dtype(DTYPES[code]).itemsize
+
+
+# ==================================================================== files
+
+def _safe(key: str, name: str) -> None:
+    """Names become path components (and zarr node names, and hive partition values)."""
+    if (not isinstance(name, str) or not name or name.startswith((".", "__"))
+            or any(c in name for c in "/\\\0%")):
+        raise ValueError(f"{key}: {name!r} cannot be used as a name in the stores "
+                         "(empty, starts with '.' or '__', or has / \\ %)")
+
+
+def _checkpoint_dirs(folder: Path) -> list[Path]:
+    """Finished checkpoints of a trial, oldest first."""
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.glob("step-*") if (p / "zarr.json").is_file()),
+                  key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files = lambda root: sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+    fa, fb = files(a), files(b)
+    return fa == fb and all(filecmp.cmp(a / p, b / p, shallow=False) for p in fa)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(dirpath, n), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename into `folder` survive a power cut, not only a crash."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rmtree(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

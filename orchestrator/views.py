@@ -1,0 +1,99 @@
+"""What the CLI shows people: tables of trials and nodes, log lines. Programs get
+`--json` instead; nothing here is parsed back."""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+
+STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "dim", "RUNNING": "cyan",
+               "PLACED": "cyan", "OOM": "yellow", "NODE_LOST": "yellow", "PENDING": ""}
+
+
+def _num(x, fmt):
+    return "" if x is None else format(x, fmt)
+
+
+def trials_table(sweep: dict) -> Table:
+    counts = {}
+    for t in sweep["trials"]:
+        counts[t["state"]] = counts.get(t["state"], 0) + 1
+    summary = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items()))
+    table = Table(title=f"{sweep['sweep']} [{sweep['state'].lower()}]: {summary}",
+                  title_justify="left")
+    for col in ("trial", "state", "node", "seg", "step", "loss", "peak GB", "val loss",
+                "attempts", "params / message"):
+        table.add_column(col, no_wrap=col in ("trial", "state"))
+    for t in sweep["trials"]:
+        a = t["attempts"][-1] if t["attempts"] else {}
+        outcomes = ",".join(x["outcome"] or x["status"] for x in t["attempts"])
+        note = t["message"] or " ".join(f"{k}={v}" for k, v in t["params"].items())
+        table.add_row(t["trial"], f"[{STATE_STYLE.get(t['state'], '')}]{t['state']}[/]",
+                      a.get("node", ""), _num(a.get("segment_size"), "d"),
+                      _num(a.get("step"), "d"), _num(a.get("loss"), ".4f"),
+                      _num(a.get("peak_gb"), ".3f"), _num(t["val_loss"], ".4f"),
+                      outcomes, note)
+    return table
+
+
+def nodes_table(nodes: list[dict]) -> Table:
+    table = Table(title="fleet", title_justify="left")
+    for col in ("node", "chip", "memory GB", "os", "state", "trial", "labels"):
+        table.add_column(col)
+    for n in nodes:
+        state = "down" if not n["alive"] else ("busy" if n.get("trial") else "free")
+        table.add_row(n["name"], n["chip"], f"{n['memory_gb']:g}", n["os"], state,
+                      n.get("trial") or "", " ".join(f"{k}={v}" for k, v in n["labels"].items()))
+    return table
+
+
+def plan_table(rows: list[dict]) -> Table:
+    classes = sorted({c for r in rows for c in r["classes"]})
+    table = Table(title="plan: segment size and predicted peak per node class",
+                  title_justify="left")
+    table.add_column("trial")
+    table.add_column("params")
+    table.add_column("tokens")
+    for c in classes:
+        table.add_column(c)
+    for r in rows:
+        cells = []
+        for c in classes:
+            p = r["classes"][c]
+            cells.append(f"seg {p['segment_size']}, {p['predicted_gb']:.3f} GB" if p["fits"]
+                         else f"[red]does not fit[/] ({p['reason']})")
+        table.add_row(r["trial"], " ".join(f"{k}={v}" for k, v in r["params"].items()),
+                      str(r["seq_len"]), *cells)
+    return table
+
+
+def transition_line(e: dict) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+    who = e["trial"] or e["sweep"]
+    frm = f"{e['from_state']} -> " if e["from_state"] else ""
+    return f"{when} {who}: {frm}{e['to_state']}: {e['reason']}"
+
+
+def engine_line(e: dict) -> str:
+    kind = e.get("event")
+    when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+    if kind == "step":
+        return (f"{when}   step {e['step']}: loss {e['loss']:.4f}, {e['tokens_per_s']:.0f} tok/s, "
+                f"peak {e['peak_gb']:.3f} GB (active {e['active_gb']:.3f}, cache {e['cache_gb']:.3f})")
+    if kind == "eval":
+        return f"{when}   eval at step {e['step']}: val loss {e['val_loss']:.4f}"
+    if kind == "start":
+        return (f"{when}   start: {e['train_rows']} rows, {e['mode']} segment_size "
+                f"{e['segment_size']}, {e['total_steps']} steps"
+                + (f", resumed at step {e['resumed_from']}" if e.get("resumed_from") else ""))
+    if kind == "checkpoint":
+        return f"{when}   checkpoint at step {e['step']} (shipped to the head)"
+    if kind == "end":
+        return f"{when}   end: final loss {e['final_loss']}, val loss {e['val_loss']}"
+    if kind == "error":
+        return f"{when}   error ({e['kind']}): {e['message']}"
+    if kind == "phase":
+        top = max(e["phases"], key=lambda p: p[1]) if e["phases"] else ("-", 0)
+        return f"{when}   phases of step {e['step']}: highest {top[1]:.3f} GB at {top[0]}"
+    return f"{when}   {e}"

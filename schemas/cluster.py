@@ -1,0 +1,109 @@
+"""The cluster spec (`cluster.yaml`): the head, the planner's knobs and the
+nodes of the fleet, as `segctl cluster up` / `segctl submit --cluster` read it."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Optional
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import SpecError
+from .yamlspec import line_of, load_yaml, problem
+
+# Node labels become Ray node labels; these come from the node itself (NodeInfo.matches).
+RESERVED_LABELS = ("chip", "name", "os")
+
+
+class Strict(BaseModel):
+    # `labels: {rack: 2}` means the label "2"
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+
+def _label_key(key: str) -> str:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", key):
+        raise ValueError(f"label key '{key}': use lowercase letters, digits, '.', '_', '-' "
+                         "(starting with a letter or digit)")
+    if key in RESERVED_LABELS:
+        raise ValueError(f"label key '{key}' is reserved ({', '.join(RESERVED_LABELS)} come from the node)")
+    return key
+
+
+class HeadSpec(Strict):
+    address: str = Field("auto", description="the head's address nodes join; auto = this machine's")
+    port: int = Field(6379, ge=1, le=65535, description="Ray GCS port")
+    stores: str = Field("~/.segctl", description="stores root on the head (state.db, telemetry/, "
+                                                 "memory.zarr, adapters.zarr)")
+
+
+class PlannerSpec(Strict):
+    margin: float = Field(0.15, ge=0, lt=1, description="fraction of a node's budget kept free")
+    scale: float = Field(1.0, gt=0, description="multiplies the analytic peak estimate")
+
+
+class NodeSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="unique in the cluster")
+    host: Optional[str] = Field(None, description="ssh target (user@host allowed); "
+                                                  "required unless local")
+    local: bool = Field(False, description="run as a real Ray node process on this machine")
+    chip: str = Field("unknown", description="e.g. m2-ultra")
+    memory_gb: float = Field(gt=0, description="training budget on the node")
+    labels: dict[Annotated[str, AfterValidator(_label_key)], str] = Field(
+        {}, description="extra node labels a sweep's placement can ask for")
+
+
+class ClusterSpec(Strict):
+    head: HeadSpec = HeadSpec()
+    planner: PlannerSpec = PlannerSpec()
+    nodes: list[NodeSpec] = Field([], description="at least one")
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Validate a cluster file; raise SpecError with every problem. `head.stores`
+    comes back absolute (`~` expanded, relative to the file's folder)."""
+    path = Path(path)
+    data, root = load_yaml(path)
+    if not isinstance(data, dict):
+        raise SpecError([f"{path}:1: expected a mapping of keys, got "
+                         f"{type(data).__name__ if data is not None else 'an empty file'}"])
+    problems = []
+    try:
+        spec = ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        problems += [problem(path, ClusterSpec, root, err) for err in e.errors()]
+        spec = None
+    problems += _cross_checks(path, data, root)
+    if problems:
+        # in file order, whichever check found them
+        raise SpecError(sorted(problems, key=lambda p: int(p.removeprefix(f"{path}:").split(":")[0])))
+    stores = Path(os.path.expanduser(spec.head.stores))
+    stores = (path.resolve().parent / stores).resolve()
+    return spec.model_copy(update={"head": spec.head.model_copy(update={"stores": str(stores)})})
+
+
+def _cross_checks(path: Path, data: dict, root) -> list[str]:
+    """Checks across fields, on the raw data so they run even when some field is
+    bad (every problem in one go); each points at the line to fix."""
+    nodes = data.get("nodes")
+    if nodes is None or nodes == []:
+        line = line_of(root, ["nodes"]) if "nodes" in data else 1
+        return [f"{path}:{line}: nodes: a cluster needs at least one node"]
+    if not isinstance(nodes, list):
+        return []  # pydantic said so
+    problems, seen = [], {}
+    for i, node in enumerate(nodes):
+        if not isinstance(node, dict):
+            continue
+        name = node.get("name")
+        if isinstance(name, (str, int)) and not isinstance(name, bool):
+            if str(name) in seen:
+                problems.append(f"{path}:{line_of(root, ['nodes', i, 'name'])}: nodes.{i}.name: "
+                                f"'{name}' is already the name of nodes.{seen[str(name)]}")
+            else:
+                seen[str(name)] = i
+        if node.get("host") is None and node.get("local") is not True:
+            problems.append(f"{path}:{line_of(root, ['nodes', i])}: nodes.{i}.host: "
+                            f"required key is missing (or set local: true)")
+    return problems

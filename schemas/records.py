@@ -1,0 +1,108 @@
+"""What the fleet records and passes around: trial states, attempt outcomes, the
+plan of an attempt, and the messages between the head and a node agent.
+
+The state machine (../shared/DESIGN.md):
+
+    PENDING -> PLACED -> RUNNING -> SUCCEEDED
+                             |-> OOM        -> PENDING (smaller segment size)
+                             |-> NODE_LOST  -> PENDING (resume from checkpoint)
+                             |-> FAILED     (bad data, bad model, retries spent)
+    any non-terminal -> CANCELLED
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+from pydantic import BaseModel, Field
+
+
+class TrialState(str, Enum):
+    PENDING = "PENDING"
+    PLACED = "PLACED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    OOM = "OOM"
+    NODE_LOST = "NODE_LOST"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+TERMINAL = {TrialState.SUCCEEDED, TrialState.FAILED, TrialState.CANCELLED}
+# Legal moves; anything else is a bug in the controller and raises.
+MOVES = {
+    TrialState.PENDING: {TrialState.PLACED, TrialState.FAILED, TrialState.CANCELLED},
+    TrialState.PLACED: {TrialState.RUNNING, TrialState.NODE_LOST, TrialState.OOM,
+                        TrialState.FAILED, TrialState.SUCCEEDED, TrialState.CANCELLED},
+    TrialState.RUNNING: {TrialState.SUCCEEDED, TrialState.OOM, TrialState.NODE_LOST,
+                         TrialState.FAILED, TrialState.CANCELLED},
+    TrialState.OOM: {TrialState.PENDING, TrialState.FAILED, TrialState.CANCELLED},
+    TrialState.NODE_LOST: {TrialState.PENDING, TrialState.FAILED, TrialState.CANCELLED},
+}
+
+
+class SweepState(str, Enum):
+    RUNNING = "RUNNING"          # the controller schedules its trials
+    INTERRUPTED = "INTERRUPTED"  # the head restarted under it; `segctl resume` continues it
+    DONE = "DONE"                # every trial terminal
+    CANCELLED = "CANCELLED"
+
+
+# How an attempt ended, as the node agent reports it.
+# "interrupted": the head restarted under a running attempt (not the trial's
+# fault, so it does not count against the sweep's retries).
+OUTCOMES = ("succeeded", "oom", "node_lost", "failed", "cancelled", "interrupted")
+
+
+class Plan(BaseModel):
+    """The planner's answer for one trial on one node class."""
+    segment_size: int
+    predicted_gb: float
+    budget_gb: float
+    fits: bool
+    reason: str = ""
+
+
+class NodeInfo(BaseModel):
+    """A node as the head sees it (from Ray's node table: resources + labels)."""
+    name: str
+    chip: str = "unknown"
+    memory_gb: float = Field(description="the training budget on this node")
+    os: str = "unknown"
+    labels: dict[str, str] = {}
+    alive: bool = True
+
+    @property
+    def node_class(self) -> str:
+        return f"{self.chip}/{self.memory_gb:g}GB"
+
+    def matches(self, placement: dict) -> bool:
+        """A sweep's placement selector: every label given must be the node's
+        (chip, name and os count as labels too)."""
+        have = dict(self.labels, chip=self.chip, name=self.name, os=self.os)
+        return all(str(have.get(k)) == str(v) for k, v in placement.items())
+
+
+class AttemptSpec(BaseModel):
+    """What the head sends a node agent to run one attempt of a trial."""
+    sweep: str
+    trial: str
+    attempt: int                     # global attempt id (state.db)
+    job: dict                        # JobSpec as JSON, segment_size resolved, budget set
+    data: dict[str, bytes]           # file name -> bytes (train / valid jsonl)
+    checkpoint_step: Optional[int] = None
+    checkpoint: dict[str, bytes] = {}   # file name -> bytes of the checkpoint to resume from
+
+
+class AttemptResult(BaseModel):
+    """What a node agent returns when an attempt ends."""
+    attempt: int
+    outcome: str
+    message: str = ""
+    exit_code: Optional[int] = None
+    peak_gb: Optional[float] = None
+    steps: int = 0
+    final_loss: Optional[float] = None
+    val_loss: Optional[float] = None
+    adapter: dict[str, bytes] = {}   # adapters.safetensors + adapter_config.json on success

@@ -1,0 +1,92 @@
+"""The central stores' tables: the Arrow schema of each Parquet dataset under
+`<stores root>/telemetry/`, and where things live in the zarr stores.
+
+Pure data. Every file of a dataset is written with exactly these schemas, so a
+reader (pyarrow.dataset, pandas, duckdb) sees one schema across attempts, even
+when a column is empty in one of them. Times are unix seconds, memory is GB
+(1e9 bytes), as the engine reports them. The `sweep` column comes from the hive
+partition folder (`sweep=<id>`), not from the files.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+# One row per optimizer step of an attempt (the engine's `step` event).
+STEPS = pa.schema([
+    ("trial", pa.string()),
+    ("attempt", pa.int64()),          # global attempt id (state.db)
+    ("step", pa.int64()),
+    ("loss", pa.float64()),
+    ("tokens", pa.int64()),           # supervised tokens in the step
+    ("seconds", pa.float64()),
+    ("tokens_per_s", pa.float64()),
+    ("lr", pa.float64()),
+    ("grad_norm", pa.float64()),
+    ("peak_gb", pa.float64()),
+    ("active_gb", pa.float64()),
+    ("cache_gb", pa.float64()),
+    ("time", pa.float64()),
+])
+
+# One row per evaluation (the engine's `eval` event).
+EVALS = pa.schema([
+    ("trial", pa.string()),
+    ("attempt", pa.int64()),
+    ("step", pa.int64()),
+    ("val_loss", pa.float64()),
+    ("val_tokens", pa.int64()),
+    ("seconds", pa.float64()),
+    ("time", pa.float64()),
+])
+
+# One row per attempt, written when it ends (from the head's record of it).
+ATTEMPTS = pa.schema([
+    ("trial", pa.string()),
+    ("attempt", pa.int64()),
+    ("attempt_no", pa.int64()),       # 1, 2, ... within the trial
+    ("node", pa.string()),
+    ("chip", pa.string()),
+    ("segment_size", pa.int64()),
+    ("predicted_gb", pa.float64()),
+    ("budget_gb", pa.float64()),
+    ("outcome", pa.string()),         # schemas.records.OUTCOMES
+    ("message", pa.string()),
+    ("started", pa.float64()),
+    ("ended", pa.float64()),
+    ("steps", pa.int64()),
+    ("peak_gb", pa.float64()),
+    ("final_loss", pa.float64()),
+    ("val_loss", pa.float64()),
+])
+
+# dataset name (folder under telemetry/) -> schema
+TABLES = {"steps": STEPS, "evals": EVALS, "attempts": ATTEMPTS}
+
+# The engine event whose rows fill a table (the attempts row comes from the head).
+TABLE_EVENT = {"steps": "step", "evals": "eval"}
+
+# Paths under the stores root.
+STAGING_DB = "staging.db"
+TELEMETRY = "telemetry"
+MEMORY_ZARR = "memory.zarr"       # <sweep>/<trial>/attempt-<id>: float32 [steps, phases]
+ADAPTERS_ZARR = "adapters.zarr"   # <trial>/adapter/<tensor>, <trial>/checkpoints/step-NNNNNNN/<file>
+TEMP = ".staging"                 # temp builds, renamed into place; no reader lists it
+KEEP_CHECKPOINTS = 3
+
+
+def telemetry_file(table: str, sweep: str, attempt: int) -> str:
+    """Path of one attempt's file of a dataset, relative to the stores root."""
+    return f"{TELEMETRY}/{table}/sweep={sweep}/attempt-{attempt}.parquet"
+
+
+def memory_array(sweep: str, trial: str, attempt: int) -> str:
+    return f"{MEMORY_ZARR}/{sweep}/{trial}/attempt-{attempt}"
+
+
+def checkpoint_group(trial: str, step: int) -> str:
+    return f"{ADAPTERS_ZARR}/{trial}/checkpoints/step-{step:07d}"
+
+
+def adapter_group(trial: str) -> str:
+    return f"{ADAPTERS_ZARR}/{trial}/adapter"

@@ -1,0 +1,433 @@
+"""The sweep spec (`sweep.yaml`): one base job and the values to vary, expanded
+into trials, each a fully resolved, validated JobSpec.
+
+Trials are the grid's cross product combined with each random draw. Every
+trial's job is validated, and a problem is reported where the user wrote the
+thing: a varied value at its line in the sweep file, anything else at its line
+in the base job (the base file, or the sweep file's `job:` mapping).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+import random
+import re
+from pathlib import Path
+from typing import Annotated, Any, NamedTuple, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import SpecError
+from .job import JobSpec, Strict
+from .yamlspec import did_you_mean, line_of, load_yaml, node_at, problem
+
+MAX_TRIALS = 10_000
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+DISTRIBUTIONS = ("log_uniform", "uniform", "choice")
+# Job keys holding paths: resolved against the folder of the file that wrote them.
+PATH_KEYS = ("model", "data.train", "data.valid")
+# Job keys a sweep decides itself, so they cannot be varied.
+SET_BY_FLEET = {"name": "set by the sweep (sweep name + trial name)",
+                "output": "set by the fleet (trial adapters land in the stores)"}
+
+
+class Distribution(Strict):
+    """One random parameter: exactly one of the three keys."""
+    log_uniform: Optional[tuple[float, float]] = Field(None, description="[low, high], 0 < low < high")
+    uniform: Optional[tuple[float, float]] = Field(None, description="[low, high], low <= high")
+    choice: Optional[list[Any]] = Field(None, description="values drawn with equal chance")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_kind(cls, v):
+        if not isinstance(v, dict) or len(v) != 1:
+            raise ValueError("expected one of {log_uniform: [low, high]}, {uniform: [low, high]}, "
+                             "{choice: [values]}")
+        (kind,) = v
+        if kind not in DISTRIBUTIONS:
+            raise ValueError(f"unknown distribution '{kind}'" + did_you_mean(str(kind), list(DISTRIBUTIONS)))
+        return v
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        if self.log_uniform is not None and not 0 < self.log_uniform[0] < self.log_uniform[1]:
+            raise ValueError(f"log_uniform needs 0 < low < high, got {list(self.log_uniform)}")
+        if self.uniform is not None and not self.uniform[0] <= self.uniform[1]:
+            raise ValueError(f"uniform needs low <= high, got {list(self.uniform)}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice needs at least one value")
+        return self
+
+    def draw(self, rng: random.Random):
+        if self.log_uniform is not None:
+            lo, hi = self.log_uniform
+            return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+        if self.uniform is not None:
+            return rng.uniform(*self.uniform)
+        return rng.choice(self.choice)
+
+
+class RandomSpec(Strict):
+    seed: int = Field(0, description="draws are the same for the same seed")
+    samples: int = Field(ge=1, description="draws; each is combined with every grid point")
+    params: dict[str, Distribution] = Field(min_length=1, description="dotted job key -> distribution")
+
+
+class SweepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    name: str = Field(pattern=NAME, description="sweep name; trial names are derived from it")
+    base: Optional[str] = Field(None, description="job file, relative to this sweep file")
+    job: Optional[dict[str, Any]] = Field(None, description="the job inline, instead of base")
+    grid: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(
+        {}, description="dotted job key -> values; the full cross product")
+    random: Optional[RandomSpec] = None
+    concurrency: Optional[int] = Field(None, ge=1, description="trials running at once at most; null = no cap")
+    retries: int = Field(3, ge=0, description="extra attempts per trial after oom / node lost / internal error")
+    placement: dict[str, str] = Field({}, description="node labels a trial needs (all must match)")
+    priority: int = Field(0, description="higher is scheduled first (across sweeps)")
+
+
+class TrialSpec(BaseModel):
+    index: int
+    name: str
+    params: dict[str, Any] = Field(description="dotted job key -> value this trial varies")
+    job: JobSpec
+
+
+class Sweep(BaseModel):
+    spec: SweepSpec
+    path: str
+    trials: list[TrialSpec]
+
+
+class Origin(NamedTuple):
+    """Where a varied value was written: file, line, and the key as the user sees it."""
+    path: Path
+    line: int
+    key: str
+
+
+class Base(NamedTuple):
+    """The base job as written, and where: its file, its YAML node, the key
+    prefix it sits under ("job." when inline) and the folder its paths are from."""
+    data: dict
+    path: Path
+    node: Any
+    prefix: str
+    folder: Path
+
+
+def job_keys(model: type[BaseModel] = JobSpec, prefix: str = "") -> list[str]:
+    """Every dotted key of a job leaf value: 'model', 'train.learning_rate', ..."""
+    keys = []
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            keys += job_keys(sub, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def set_dotted(d: dict, key: str, value) -> None:
+    """d['a']['b'] = value for key 'a.b', creating missing mappings. Raises
+    TypeError when a non-mapping is in the way (the base job's own error)."""
+    *parents, last = key.split(".")
+    for part in parents:
+        d = d.setdefault(part, {})
+        if not isinstance(d, dict):
+            raise TypeError(f"{part} is not a mapping")
+    d[last] = value
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Validate a sweep file, its base job and every trial; raise SpecError
+    with every problem found (nothing is run or written)."""
+    path = Path(path)
+    data, root = load_yaml(path)
+    return _validate(path, data, root)
+
+
+def single_job_sweep(path: str | Path) -> Sweep:
+    """A job file submitted on its own: a sweep of one trial, named after the job."""
+    path = Path(path)
+    data, _ = load_yaml(path)
+    name = data.get("name") if isinstance(data, dict) else None
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", str(name or path.stem)).lstrip("-_.") or "job"
+    return _validate(path, {"name": name, "base": path.name}, None)
+
+
+def _validate(path: Path, data, root) -> Sweep:
+    if not isinstance(data, dict):
+        raise SpecError([f"{path}:1: expected a mapping of keys, got "
+                         f"{type(data).__name__ if data is not None else 'an empty file'}"])
+    problems = _Problems()
+    try:
+        spec = SweepSpec.model_validate(data)
+    except ValidationError as e:
+        problems.extend(problem(path, SweepSpec, root, err) for err in e.errors())
+        spec = _salvage(data, e.errors())
+    base = _base_job(spec, path, root, problems) if spec else None
+    if spec is None or base is None:
+        raise SpecError(problems.in_order(path))
+
+    points = _grid_points(spec, path, root, problems)
+    draws = _random_draws(spec, path, root, problems)
+    count = len(points) * len(draws)
+    if count > MAX_TRIALS:
+        problems.add(f"{path}:{line_of(root, ['grid'] if spec.grid else ['random'])}: "
+                     f"grid: {count} trials is more than {MAX_TRIALS}; split the sweep")
+        raise SpecError(problems.in_order(path, base.path))
+
+    trials, cross = [], []
+    for index, (point, draw) in enumerate(itertools.product(points, draws)):
+        name = f"t{index:03d}"
+        varied = {**point, **draw}
+        trial = _trial(spec, base, index, name, varied, path.parent, problems, cross)
+        if trial is not None:
+            trials.append(trial)
+    _report_cross(cross, count, base, problems)
+    if problems.lines:
+        raise SpecError(problems.in_order(path, base.path))
+    return Sweep(spec=spec, path=str(path.resolve()), trials=trials)
+
+
+# ------------------------------------------------------------------ the parts
+
+
+class _Problems:
+    """Problem lines in order, each once (every trial repeats the base's own)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self._seen: set = set()
+
+    def in_order(self, *paths: Path) -> list[str]:
+        """By file (in the order given), then line."""
+        def where(line: str):
+            for i, p in enumerate(paths):
+                if line.startswith(f"{p}:"):
+                    return i, int(line[len(f"{p}:"):].split(":")[0])
+            return len(paths), 0
+        return sorted(self.lines, key=where)
+
+    def add(self, line: str, dedupe=None) -> None:
+        key = dedupe if dedupe is not None else line
+        if key not in self._seen:
+            self._seen.add(key)
+            self.lines.append(line)
+
+    def extend(self, lines) -> None:
+        for line in lines:
+            self.add(line)
+
+
+def _salvage(data: dict, errors: list[dict]) -> SweepSpec | None:
+    """The sweep without its bad parts (a grid key, a random parameter, else the
+    whole top-level key), so the base job and the trials are checked too and
+    every problem comes out in one go."""
+    kept = copy.deepcopy({k: v for k, v in data.items() if k in SweepSpec.model_fields})
+    for _ in range(3):
+        for err in errors:
+            loc = err["loc"]
+            grid, rand = kept.get("grid"), kept.get("random")
+            params = rand.get("params") if isinstance(rand, dict) else None
+            if loc[:1] == ("grid",) and len(loc) > 1 and isinstance(grid, dict):
+                grid.pop(loc[1], None)
+            elif loc[:2] == ("random", "params") and len(loc) > 2 and isinstance(params, dict):
+                params.pop(loc[2], None)
+            elif loc:
+                kept.pop(loc[0], None)
+        kept.setdefault("name", "sweep")
+        try:
+            return SweepSpec.model_validate(kept)
+        except ValidationError as e:
+            errors = e.errors()
+    return None
+
+
+def _base_job(spec: SweepSpec, path: Path, root, problems: _Problems) -> Base | None:
+    if spec.base is not None and spec.job is not None:
+        problems.add(f"{path}:{line_of(root, ['job'])}: job: give either base or job, not both")
+        return None
+    if spec.job is not None:
+        return Base(spec.job, path, node_at(root, ["job"]), "job.", path.resolve().parent)
+    if spec.base is None:
+        problems.add(f"{path}:1: base: required key is missing (or give the job inline as job:)")
+        return None
+    file = Path(os.path.normpath(path.parent / spec.base))
+    if not file.is_file():
+        problems.add(f"{path}:{line_of(root, ['base'])}: base: file not found: {file.resolve()}")
+        return None
+    try:
+        data, node = load_yaml(file)
+    except SpecError as e:
+        problems.extend(e.problems)
+        return None
+    if not isinstance(data, dict):
+        problems.add(f"{file}:1: expected a mapping of keys, got "
+                     f"{type(data).__name__ if data is not None else 'an empty file'}")
+        return None
+    return Base(data, file, node, "", file.resolve().parent)
+
+
+def _check_key(key: str, where: str, path: Path, line: int, problems: _Problems) -> bool:
+    if key in SET_BY_FLEET:
+        problems.add(f"{path}:{line}: {where}: {SET_BY_FLEET[key]}")
+        return False
+    keys = [k for k in job_keys() if k not in SET_BY_FLEET]
+    if key not in keys:
+        problems.add(f"{path}:{line}: {where}: unknown job key" + did_you_mean(key, keys))
+        return False
+    return True
+
+
+def _grid_points(spec, path, root, problems) -> list[dict[str, tuple[Any, Origin]]]:
+    """The grid's cross product: key -> (value, where it was written)."""
+    axes = []
+    for key, values in spec.grid.items():
+        if not _check_key(key, f"grid.{key}", path, line_of(root, ["grid", key]), problems):
+            continue
+        axes.append([(key, v, Origin(path, line_of(root, ["grid", key, i]), f"grid.{key}[{i}]"))
+                     for i, v in enumerate(values)])
+    return [{k: (v, o) for k, v, o in combo} for combo in itertools.product(*axes)]
+
+
+def _random_draws(spec, path, root, problems) -> list[dict[str, tuple[Any, Origin]]]:
+    """`samples` draws, sample by sample, each parameter in file order, from one
+    Random(seed): the same file gives the same trials."""
+    if spec.random is None:
+        return [{}]
+    params = {}
+    for key, dist in spec.random.params.items():
+        line = line_of(root, ["random", "params", key])
+        if not _check_key(key, f"random.params.{key}", path, line, problems):
+            continue
+        if key in spec.grid:
+            problems.add(f"{path}:{line}: random.params.{key}: also in grid; vary a key in one place")
+            continue
+        params[key] = (dist, Origin(path, line, f"random.params.{key}"))
+    rng = random.Random(spec.random.seed)
+    return [{key: (dist.draw(rng), origin) for key, (dist, origin) in params.items()}
+            for _ in range(spec.random.samples)]
+
+
+def _trial(spec, base: Base, index, name, varied, sweep_dir, problems, cross) -> TrialSpec | None:
+    data = copy.deepcopy(base.data)
+    for key, (value, _) in varied.items():
+        try:
+            set_dotted(data, key, value)
+        except TypeError:
+            pass  # the base has a non-mapping there; its own error says so
+    data["name"] = f"{spec.name}-{name}"
+    data["output"] = None  # the fleet decides where trial adapters land
+
+    # Paths first, from the raw job, so a missing file shows even when the job has
+    # other problems too.
+    paths, ok = {}, True
+    for key in PATH_KEYS:
+        value = _get_dotted(data, key)
+        if not isinstance(value, str):
+            continue  # absent, or the job's own error says what is wrong
+        folder = sweep_dir.resolve() if key in varied else base.folder  # where it was written
+        paths[key] = str((folder / value).resolve())
+        message = _missing(key, paths[key])
+        if message:
+            ok = False
+            if key in varied:
+                o = varied[key][1]
+                problems.add(f"{o.path}:{o.line}: {o.key}: {message}")
+            else:
+                problems.add(f"{base.path}:{line_of(base.node, key.split('.'))}: {base.prefix}{key}: {message}")
+    try:
+        job = JobSpec.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            _report(err, base, varied, name, problems, cross)
+        return None
+    if not ok:
+        return None
+    job = job.model_copy(update={
+        "model": paths["model"],
+        "data": job.data.model_copy(update={"train": paths["data.train"],
+                                            "valid": paths.get("data.valid")}),
+    })
+    params = {key: _as_trained(value, job, key) for key, (value, _) in varied.items()}
+    return TrialSpec(index=index, name=name, params=params, job=job)
+
+
+def _report(err, base: Base, varied, trial, problems: _Problems, cross: list) -> None:
+    """A trial job's validation error, at the line where the user wrote its cause."""
+    dotted = ".".join(str(p) for p in err["loc"])
+    for key, (value, o) in varied.items():
+        if dotted == key or dotted.startswith(key + "."):
+            return _report_varied(o, _message(err), value, trial, problems)
+    if any(not dotted or key.startswith(dotted + ".") for key in varied):
+        cross.append((err, varied, trial))  # a check across fields, some of them varied
+        return
+    problems.add(problem(base.path, JobSpec, base.node, err, base.prefix))
+
+
+def _report_cross(cross: list, trials: int, base: Base, problems: _Problems) -> None:
+    """A cross-field error (e.g. grad_checkpoint vs a varied segment_size) that
+    every trial has is the base's; one only some trials have is their varied
+    value's (the first varied key under the checked field)."""
+    failing: dict = {}
+    for err, _, trial in cross:
+        failing.setdefault((err["loc"], err["msg"]), set()).add(trial)
+    for err, varied, trial in cross:
+        if len(failing[(err["loc"], err["msg"])]) == trials:
+            problems.add(problem(base.path, JobSpec, base.node, err, base.prefix))
+            continue
+        dotted = ".".join(str(p) for p in err["loc"])
+        key = next(k for k in varied if not dotted or k.startswith(dotted + "."))
+        value, o = varied[key]
+        _report_varied(o, _message(err), value, trial, problems)
+
+
+def _message(err: dict) -> str:
+    return err["msg"].removeprefix("Value error, ")
+
+
+def _report_varied(o: Origin, msg: str, value, trial: str, problems: _Problems) -> None:
+    if o.key.startswith("random."):
+        # each draw differs: say which value failed, once per parameter and message
+        drew = f"{value:.6g}" if isinstance(value, float) else repr(value)
+        problems.add(f"{o.path}:{o.line}: {o.key}: {msg} (drew {drew} for trial {trial})",
+                     dedupe=(o, msg))
+    else:
+        problems.add(f"{o.path}:{o.line}: {o.key}: {msg}")
+
+
+def _get_dotted(d: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def _missing(key: str, value: str) -> str:
+    p = Path(value)
+    if key == "model":
+        if not p.is_dir():
+            return f"model folder not found: {p}"
+        if not (p / "config.json").is_file():
+            return f"no config.json in {p} (expected a Hugging Face model folder)"
+        return ""
+    return "" if p.is_file() else f"file not found: {p}"
+
+
+def _as_trained(value, job: JobSpec, key: str):
+    """The varied value as written, except a number YAML read as a string
+    (PyYAML reads `1e-4` as a string) is recorded as the number trained with."""
+    if not isinstance(value, str):
+        return value
+    trained: Any = job
+    for part in key.split("."):
+        trained = getattr(trained, part)
+    return trained if isinstance(trained, (int, float)) and not isinstance(trained, bool) else value

@@ -1,0 +1,331 @@
+"""The fleet end to end: a real Ray head and three real Ray node processes on this
+machine (`local: true` nodes of different memory budgets), the real CLI, the real
+engine in fresh processes, real state.db / Parquet / zarr stores.
+
+Budgets are set from peaks measured here first, so "fits" and "out of memory"
+are decided by the engine's own memory guard, not by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pytest
+import yaml
+
+from .conftest import assert_one_line_error, cli_env, segctl
+
+PORT = 6471
+
+
+def _rows(n: int, seed: int) -> list[dict]:
+    """Long rows (~300-400 tokens), so a segment's activations dominate the peak."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        s, k = r.randrange(26), r.randrange(300, 400)
+        out.append({"prompt": f"after {string.ascii_lowercase[s]}",
+                    "completion": " ".join(string.ascii_lowercase[(s + i) % 26] for i in range(k))})
+    return out
+
+
+def _peak(root: Path, seg: int) -> float:
+    job = {"name": f"probe{seg}", "model": str(root / "model"), "output": str(root / f"probe{seg}"),
+           "data": {"train": str(root / "data/train.jsonl"), "max_seq_length": 512},
+           "train": {"iters": 2}, "memory": {"segment_size": seg}}
+    path = root / f"probe{seg}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    proc = segctl("train", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return max(json.loads(l)["peak_gb"] for l in proc.stdout.splitlines() if '"event":"step"' in l)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from engine.demo import write_model
+    root = tmp_path_factory.mktemp("fleet")
+    train, valid = _rows(40, 1), _rows(6, 2)
+    write_model(root / "model", "qwen3", corpus=[f"{r['prompt']} {r['completion']}" for r in train],
+                seed=1, layers=4, hidden=64)
+    (root / "data").mkdir()
+    for name, rows in (("train", train), ("valid", valid)):
+        (root / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    peaks = {seg: _peak(root, seg) for seg in (1, 4)}
+    assert peaks[4] > 1.5 * peaks[1], peaks
+    small = round((peaks[1] + peaks[4]) / 2, 4)   # seg 1 fits, seg 4 does not
+    cluster = {
+        "head": {"address": "auto", "port": PORT, "stores": str(root / "stores")},
+        "planner": {"margin": 0.1, "scale": 1.0},
+        "nodes": [
+            {"name": "small", "local": True, "memory_gb": small, "chip": "sim-s", "labels": {"pool": "a"}},
+            {"name": "medium", "local": True, "memory_gb": 0.25, "chip": "sim-m", "labels": {"pool": "b"}},
+            {"name": "large", "local": True, "memory_gb": 0.5, "chip": "sim-l", "labels": {"pool": "b"}},
+        ],
+    }
+    (root / "cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
+    job = {"name": "base", "model": "model",
+           "data": {"train": "data/train.jsonl", "valid": "data/valid.jsonl", "max_seq_length": 512},
+           "lora": {"rank": 4}, "train": {"iters": 4, "learning_rate": 1e-4, "val_batches": 2},
+           "memory": {"segment_size": 1}}
+    (root / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    up = segctl("cluster", "up", root / "cluster.yaml", timeout=180)
+    assert up.returncode == 0, up.stderr
+    fleet_info = json.loads((root / "stores" / "fleet.json").read_text())
+    yield {"root": root, "cluster": root / "cluster.yaml", "stores": root / "stores",
+           "peaks": peaks, "small": small, "info": fleet_info}
+    down = segctl("cluster", "down", root / "cluster.yaml", timeout=120)
+    assert down.returncode == 0, down.stderr
+    for pid in _pids(fleet_info):
+        assert not _alive(pid), f"process {pid} outlived `segctl cluster down`"
+
+
+def _pids(info: dict) -> list[int]:
+    pids = [info["head"]["pid"]] if info.get("head") else []
+    return pids + [n["pid"] for n in info.get("nodes", {}).values() if n.get("pid")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _sweep(fleet, name: str, **spec) -> Path:
+    path = fleet["root"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(dict(name=name, base="job.yaml", **spec), sort_keys=False))
+    return path
+
+
+def _status(fleet, sid: str) -> dict:
+    proc = segctl("status", sid, "--cluster", fleet["cluster"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    [sweep] = json.loads(proc.stdout)
+    return sweep
+
+
+def _wait(fleet, sid: str, until, timeout: float = 180) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        sw = _status(fleet, sid)
+        if until(sw):
+            return sw
+        assert time.time() < deadline, json.dumps(sw, indent=1)[-3000:]
+        time.sleep(0.5)
+
+
+def _steps(fleet, sid: str):
+    ds = pads.dataset(fleet["stores"] / "telemetry" / "steps", partitioning="hive")
+    return ds.to_table(filter=pads.field("sweep") == sid).to_pylist()
+
+
+# ---------------------------------------------------------------- the tests
+
+def test_cluster_status_lists_the_nodes(fleet):
+    proc = segctl("cluster", "status", fleet["cluster"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    nodes = {n["name"]: n for n in json.loads(proc.stdout)}
+    assert set(nodes) == {"small", "medium", "large"}
+    assert nodes["small"]["memory_gb"] == fleet["small"] and nodes["large"]["chip"] == "sim-l"
+    assert all(n["alive"] and not n["trial"] for n in nodes.values())
+
+
+def test_a_client_without_the_token_is_refused(fleet):
+    env = {k: v for k, v in cli_env().items() if not k.startswith("RAY_AUTH")}
+    code = (f"import ray; ray.init(address='{fleet['info']['address']}', logging_level='ERROR');"
+            "print('CONNECTED')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert "CONNECTED" not in proc.stdout and proc.returncode != 0
+
+
+def test_sweep_spreads_over_nodes_and_big_trials_avoid_the_small_one(fleet, tmp_path):
+    path = _sweep(fleet, "spread", grid={"memory.segment_size": [1, 4],
+                                         "train.learning_rate": [1e-4, 2e-4],
+                                         "lora.rank": [4, 8]})
+    plan = segctl("plan", path, "--cluster", fleet["cluster"], "--json")
+    assert plan.returncode == 0, plan.stderr
+    for row in json.loads(plan.stdout):
+        small = row["classes"][f"sim-s/{fleet['small']:g}GB"]
+        assert small["fits"] == (row["params"]["memory.segment_size"] == 1), row
+
+    proc = segctl("submit", path, "--cluster", fleet["cluster"], "--json", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sid = proc.stderr.split("sweep ")[1].split(":")[0]
+    sw = _status(fleet, sid)
+    assert len(sw["trials"]) == 8 and sw["state"] == "DONE"
+    used = set()
+    for t in sw["trials"]:
+        assert t["state"] == "SUCCEEDED", t
+        [a] = t["attempts"]
+        assert {"node", "segment_size", "outcome", "peak_gb"} <= set(a)
+        used.add(a["node"])
+        if t["params"]["memory.segment_size"] == 4:
+            assert a["node"] != "small", t
+        assert a["peak_gb"] is not None and a["dispatch_s"] is not None
+    assert len(used) >= 2, used
+    # telemetry: 4 step rows per trial, each once, in the sweep's partition
+    rows = _steps(fleet, sid)
+    assert sorted((r["trial"], r["step"]) for r in rows) == sorted(
+        (t["trial"], s) for t in sw["trials"] for s in range(1, 5))
+    import zarr
+    mem = zarr.open_group(str(fleet["stores"] / "memory.zarr"), mode="r")
+    a = sw["trials"][0]["attempts"][0]
+    arr = mem[f"{sid}/{sw['trials'][0]['trial']}/attempt-{a['attempt']}"]
+    assert arr.shape[0] == 4 and arr.shape[1] == len(arr.attrs["phases"])
+
+    # gather the 3 best: folders mlx-lm loads as they are
+    out = tmp_path / "best"
+    g = segctl("gather", sid, "--out", out, "--best", "3", "--cluster", fleet["cluster"])
+    assert g.returncode == 0, g.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest) == 3
+    losses = [m["metrics"]["val_loss"] for m in manifest]
+    everything = sorted(t["val_loss"] for t in sw["trials"])
+    assert sorted(losses) == everything[:3]
+    import hashlib
+    for m in manifest:
+        for name, sha in m["files"].items():
+            assert hashlib.sha256((out / m["trial"] / name).read_bytes()).hexdigest() == sha
+    check = ("import sys, mlx_lm; from mlx_lm import generate; "
+             "m, tok = mlx_lm.load(sys.argv[1], adapter_path=sys.argv[2]); "
+             "print(len(generate(m, tok, prompt='after a', max_tokens=3)) >= 0)")
+    proc = subprocess.run([sys.executable, "-c", check, str(fleet["root"] / "model"),
+                           str(out / manifest[0]["trial"])], capture_output=True, text=True,
+                          env=cli_env(), timeout=120)
+    assert proc.returncode == 0 and "True" in proc.stdout, proc.stderr[-1500:]
+    again = segctl("gather", sid, "--out", out, "--cluster", fleet["cluster"])
+    assert_one_line_error(again, "not empty")
+
+
+def test_forced_oom_is_replanned_smaller_and_succeeds(fleet):
+    # A planner told to trust a quarter of its estimate places segment_size 4 on the
+    # small node; the engine's guard stops it there, and the re-plan goes smaller.
+    spec = yaml.safe_load(fleet["cluster"].read_text())
+    spec["planner"]["scale"] = 0.25
+    optimistic = fleet["root"] / "optimistic.yaml"
+    optimistic.write_text(yaml.safe_dump(spec))
+    path = _sweep(fleet, "oom", placement={"name": "small"}, retries=4,
+                  grid={"memory.segment_size": [4]})
+    proc = segctl("submit", path, "--cluster", optimistic, "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sid = proc.stderr.split("sweep ")[1].split(":")[0]
+    [t] = _status(fleet, sid)["trials"]
+    outcomes = [a["outcome"] for a in t["attempts"]]
+    assert t["state"] == "SUCCEEDED" and outcomes[0] == "oom" and outcomes[-1] == "succeeded", t
+    sizes = [a["segment_size"] for a in t["attempts"]]
+    assert sizes[0] == 4 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 4, sizes
+    assert all(a["node"] == "small" for a in t["attempts"])
+    assert "crossed memory.budget_gb" in t["attempts"][0]["message"]
+    reasons = [json.loads(l)["reason"] for l in proc.stdout.splitlines()]
+    assert any("re-plan below segment_size 4" in r for r in reasons), reasons
+
+
+def test_cancel_then_resume_after_a_head_restart(fleet):
+    path = _sweep(fleet, "resume", concurrency=1, placement={"pool": "b"},
+                  grid={"train.seed": [0, 1, 2]},
+                  )
+    job = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
+    job["train"].update(iters=40, checkpoint_every=5)
+    (fleet["root"] / "job40.yaml").write_text(yaml.safe_dump(job))
+    spec = yaml.safe_load(path.read_text())
+    spec["base"] = "job40.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = segctl("submit", path, "--cluster", fleet["cluster"], "--detach")
+    assert proc.returncode == 0, proc.stderr
+    sid = proc.stdout.strip()
+    t0, t1, t2 = (f"{sid}-t{i:03d}" for i in range(3))
+    c = segctl("cancel", t2, "--cluster", fleet["cluster"])
+    assert c.returncode == 0 and t2 in c.stdout, c.stderr
+    _wait(fleet, sid, lambda sw: sw["trials"][0]["state"] == "SUCCEEDED"
+          and sw["trials"][1]["attempts"] and (sw["trials"][1]["attempts"][-1]["step"] or 0) >= 12)
+
+    # The head goes away mid-trial (its actor killed, as a crash or restart would).
+    kill = ("from orchestrator import fleet; from schemas.cluster import load_cluster; import ray;"
+            f"fleet.connect(load_cluster('{fleet['cluster']}'), start=False);"
+            "ray.kill(ray.get_actor('segctl-head', namespace='segctl'))")
+    k = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True,
+                       env=cli_env(), timeout=120)
+    assert k.returncode == 0, k.stderr[-2000:]
+
+    r = segctl("resume", sid, "--cluster", fleet["cluster"], "--json", timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]     # one trial was cancelled
+    sw = _status(fleet, sid)
+    states = [t["state"] for t in sw["trials"]]
+    assert states == ["SUCCEEDED", "SUCCEEDED", "CANCELLED"] and sw["state"] == "DONE", sw
+    assert [a["outcome"] for a in sw["trials"][0]["attempts"]] == ["succeeded"]   # never rerun
+    second = sw["trials"][1]["attempts"]
+    assert [a["outcome"] for a in second] == ["interrupted", "succeeded"], second
+    assert second[1]["resume_step"] >= 10
+    assert sw["trials"][2]["attempts"] == []
+    _no_duplicate_steps(_steps(fleet, sid), t1, 40)
+
+
+def _no_duplicate_steps(rows, trial, total):
+    mine = [(r["attempt"], r["step"]) for r in rows if r["trial"] == trial]
+    assert len(mine) == len(set(mine))
+    assert {s for _, s in mine} == set(range(1, total + 1))
+
+
+def test_bad_specs_are_refused_with_nothing_written(fleet):
+    bad = _sweep(fleet, "bad", grid={"train.learnin_rate": [1e-4]})
+    before = _status_count(fleet)
+    proc = segctl("submit", bad, "--cluster", fleet["cluster"])
+    assert_one_line_error(proc, "bad.yaml:", "did you mean 'train.learning_rate'")
+    proc = segctl("plan", bad, "--cluster", fleet["cluster"])
+    assert_one_line_error(proc, "did you mean 'train.learning_rate'")
+    broken = fleet["root"] / "broken-cluster.yaml"
+    broken.write_text("head: {port: 1}\nnodes:\n  - {name: a, memory_gb: 1}\n")
+    proc = segctl("submit", _sweep(fleet, "fine"), "--cluster", broken)
+    assert_one_line_error(proc, "broken-cluster.yaml:", "host")
+    assert _status_count(fleet) == before
+
+
+def _status_count(fleet) -> int:
+    proc = segctl("status", "--cluster", fleet["cluster"], "--json")
+    return len(json.loads(proc.stdout)) if proc.returncode == 0 else 0
+
+
+def test_a_node_lost_mid_attempt_costs_no_trial_and_no_row(fleet):
+    """Last: it takes a node away from the module's fleet."""
+    job = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
+    job["train"].update(iters=80, checkpoint_every=5)
+    (fleet["root"] / "job80.yaml").write_text(yaml.safe_dump(job))
+    path = _sweep(fleet, "lost", placement={"pool": "b"})
+    spec = yaml.safe_load(path.read_text())
+    spec["base"] = "job80.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = segctl("submit", path, "--cluster", fleet["cluster"], "--detach")
+    assert proc.returncode == 0, proc.stderr
+    sid = proc.stdout.strip()
+    sw = _wait(fleet, sid, lambda sw: sw["trials"][0]["attempts"]
+               and (sw["trials"][0]["attempts"][-1]["step"] or 0) >= 12)
+    victim = sw["trials"][0]["attempts"][-1]["node"]
+    info = json.loads((fleet["stores"] / "fleet.json").read_text())
+    # The machine goes away: every process of that node at once, the engine included
+    # (SIGTERM would let Ray drain the node gracefully, letting the attempt finish).
+    os.killpg(info["nodes"][victim]["pid"], signal.SIGKILL)
+    t_kill = time.time()
+    sw = _wait(fleet, sid, lambda sw: sw["state"] != "RUNNING", timeout=240)
+    [t] = sw["trials"]
+    assert t["state"] == "SUCCEEDED", t
+    lost, done = t["attempts"]
+    assert lost["outcome"] == "node_lost" and lost["node"] == victim
+    assert done["outcome"] == "succeeded" and done["node"] != victim and done["resume_step"] >= 10
+    print(f"node loss noticed after {done['started'] - t_kill:.1f} s")
+    _no_duplicate_steps(_steps(fleet, sid), t["trial"], 80)

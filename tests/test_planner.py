@@ -1,0 +1,229 @@
+"""The memory planner: its predictions' shape, the decisions `plan` makes from
+them, the facts it reads from a model folder and a data set, and one check
+against the real engine's measured peak."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from bench.planner_fit import measure_peak_gb, random_row
+from orchestrator.planner import ModelInfo, longest_row, model_info, plan, predict_gb
+from schemas.job import JobSpec, load_job
+
+# Qwen3-0.6B's shape in bf16, and a deep 80-layer one: the planner is used on
+# models like these without ever loading them.
+QWEN3_06B = ModelInfo(model_type="qwen3", n_layers=28, hidden=1024, intermediate=3072, heads=16,
+                      kv_heads=8, head_dim=128, vocab=151936, weight_bytes=1_192_000_000,
+                      act_bytes=2)
+DEEP = ModelInfo(model_type="llama", n_layers=80, hidden=8192, intermediate=28672, heads=64,
+                 kv_heads=8, head_dim=128, vocab=128256, weight_bytes=141_000_000_000,
+                 act_bytes=2)
+
+
+def job(segment_size="auto", **memory) -> JobSpec:
+    return JobSpec(model="m", data={"train": "t.jsonl"}, train={"iters": 1},
+                   memory={"segment_size": segment_size, **memory})
+
+
+# ---------------------------------------------------------------- predictions
+
+@pytest.mark.parametrize("info", [QWEN3_06B, DEEP], ids=["qwen3-0.6b", "deep"])
+@pytest.mark.parametrize("attn_block", [0, 512, 2048])
+def test_prediction_grows_with_segment_size_and_length(info, attn_block):
+    for seq in (64, 1000, 2048, 2050, 8192):
+        by_size = [predict_gb(info, seq_len=seq, segment_size=s, attn_block=attn_block)
+                   for s in range(1, info.n_layers + 3)]
+        assert all(a <= b for a, b in zip(by_size, by_size[1:])), (seq, by_size)
+    for seg in (0, 1, 2, info.n_layers):
+        by_len = [predict_gb(info, seq_len=L, segment_size=seg, attn_block=attn_block)
+                  for L in range(16, 9000, 97)]
+        assert all(a <= b for a, b in zip(by_len, by_len[1:])), seg
+
+
+def test_prediction_orders_the_modes():
+    """At a long row plain autodiff needs the most, grad_checkpoint less, one layer
+    per segment with blocked attention the least; more LoRA costs more."""
+    at = dict(seq_len=8192)
+    plain = predict_gb(QWEN3_06B, segment_size=0, **at)
+    ckpt = predict_gb(QWEN3_06B, segment_size=0, grad_checkpoint=True, **at)
+    seg1 = predict_gb(QWEN3_06B, segment_size=1, **at)
+    assert plain > ckpt > seg1 > QWEN3_06B.weight_bytes / 1e9
+    assert predict_gb(QWEN3_06B, segment_size=1, lora_rank=64, **at) > seg1
+    assert predict_gb(QWEN3_06B, segment_size=1, lora_layers=4, **at) < seg1
+    with pytest.raises(ValueError, match="sft"):
+        predict_gb(QWEN3_06B, segment_size=1, method="orpo", **at)
+
+
+# ---------------------------------------------------------------- plan
+
+def sizes(info=QWEN3_06B, seq=4096, **kw):
+    return [predict_gb(info, seq_len=seq, segment_size=s, **kw) for s in range(1, info.n_layers + 1)]
+
+
+def a_step(preds):
+    """A size k whose prediction is strictly below k+1's, and a budget between them."""
+    k = next(k for k in range(len(preds) // 2, len(preds)) if preds[k - 1] < preds[k])
+    return k, (preds[k - 1] + preds[k]) / 2
+
+
+def test_auto_picks_the_largest_size_that_fits_under_the_margin():
+    preds = sizes()
+    k, limit = a_step(preds)
+    p = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=limit / 0.85)
+    assert (p.segment_size, p.fits) == (k, True)
+    assert p.predicted_gb == pytest.approx(preds[k - 1], abs=1e-3) and p.budget_gb == limit / 0.85
+    assert f"segment_size {k} of 28 layers is the largest that fits" in p.reason
+    assert "15% margin" in p.reason
+    # The same budget with a wider margin leaves less room: a smaller size.
+    tighter = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=limit / 0.85, margin=0.3)
+    assert tighter.fits and tighter.segment_size < k
+    assert tighter.segment_size == max(s for s in range(1, 29) if preds[s - 1] <= limit / 0.85 * 0.7)
+    # scale multiplies the prediction: at x2 the budget must double for the same answer.
+    scaled = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=2 * limit / 0.85, scale=2.0)
+    assert scaled.segment_size == k and scaled.predicted_gb == pytest.approx(2 * preds[k - 1], abs=1e-3)
+    assert plan(QWEN3_06B, job(), seq_len=4096, budget_gb=limit / 0.85, scale=2.0).segment_size < k
+
+
+def test_auto_with_room_for_everything_and_with_room_for_nothing():
+    preds = sizes()
+    roomy = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=1000)
+    assert (roomy.segment_size, roomy.fits) == (28, True) and "all layers" in roomy.reason
+    tiny = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=preds[0])  # under it once the margin is off
+    assert (tiny.segment_size, tiny.fits) == (1, False)
+    assert tiny.predicted_gb == pytest.approx(preds[0], abs=1e-3)
+    assert tiny.reason.startswith("does not fit: needs") and "at segment_size 1" in tiny.reason
+    assert f"budget {preds[0]:g} GB less 15% margin" in tiny.reason
+
+
+def test_a_fixed_size_is_kept_fits_or_not():
+    preds = sizes()
+    fits = plan(QWEN3_06B, job(4), seq_len=4096, budget_gb=preds[3] / 0.85 + 0.01)
+    assert (fits.segment_size, fits.fits) == (4, True) and "as the job asks" in fits.reason
+    short = plan(QWEN3_06B, job(4), seq_len=4096, budget_gb=preds[3] / 0.85 - 0.01)
+    assert (short.segment_size, short.fits) == (4, False) and "does not fit" in short.reason
+    plain = plan(QWEN3_06B, job(0, grad_checkpoint=True), seq_len=4096, budget_gb=1000)
+    assert (plain.segment_size, plain.fits) == (0, True) and "plain" in plain.reason
+    assert plain.predicted_gb == pytest.approx(
+        predict_gb(QWEN3_06B, seq_len=4096, segment_size=0, grad_checkpoint=True), abs=1e-3)
+
+
+def test_below_replans_smaller_after_an_oom():
+    preds = sizes()
+    k, limit = a_step(preds)
+    budget = limit / 0.85
+    assert plan(QWEN3_06B, job(), seq_len=4096, budget_gb=budget, below=k + 5).segment_size == k
+    p = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=budget, below=k)
+    assert p.fits and p.segment_size == k - 1 and f"out of memory at segment_size {k}" in p.reason
+    # After an OOM at a fixed size the job's size is no longer binding.
+    assert plan(QWEN3_06B, job(k + 2), seq_len=4096, budget_gb=budget, below=k + 2).segment_size == k
+    none = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=preds[0], below=k)
+    assert (none.segment_size, none.fits) == (1, False) and "does not fit" in none.reason
+    floor = plan(QWEN3_06B, job(), seq_len=4096, budget_gb=1000, below=1)
+    assert (floor.segment_size, floor.fits) == (1, False)
+    assert "already at segment_size 1" in floor.reason
+
+
+# ---------------------------------------------------------------- model and data facts
+
+def test_model_info_reads_a_real_model_folder(tiny_models):
+    folder = tiny_models["qwen3"]
+    config = json.loads((folder / "config.json").read_text())
+    info = model_info(str(folder))
+    assert info == ModelInfo(
+        model_type="qwen3", n_layers=5, hidden=64, intermediate=config["intermediate_size"],
+        heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], vocab=config["vocab_size"],
+        weight_bytes=(folder / "model.safetensors").stat().st_size, act_bytes=4)
+    assert ModelInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
+
+
+def test_model_info_reads_a_nested_text_config(tiny_models, tmp_path):
+    folder = tmp_path / "vlm"
+    shutil.copytree(tiny_models["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = {k: config.pop(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    (folder / "config.json").write_text(json.dumps({**config, "text_config": text}))
+    info = model_info(str(folder))
+    assert (info.n_layers, info.hidden, info.vocab) == (5, 64, text["vocab_size"])
+
+
+def test_model_info_on_bad_folders(tiny_models, tmp_path):
+    cases = {}
+    cases["missing"] = (tmp_path / "nope", "model folder not found")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases["empty"] = (empty, "no config.json")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(tiny_models["qwen3"] / "config.json", no_weights)
+    cases["no weights"] = (no_weights, "no *.safetensors")
+    bad_json = tmp_path / "bad-json"
+    shutil.copytree(tiny_models["qwen3"], bad_json)
+    (bad_json / "config.json").write_text("{not json")
+    cases["bad json"] = (bad_json, "not valid JSON")
+    no_layers = tmp_path / "no-layers"
+    shutil.copytree(tiny_models["qwen3"], no_layers)
+    config = json.loads((no_layers / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (no_layers / "config.json").write_text(json.dumps(config))
+    cases["no layers"] = (no_layers, "num_hidden_layers: missing")
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_models["qwen3"], odd)
+    (odd / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4,
+                                                  "intermediate_size": [256, 512]}))
+    cases["list"] = (odd, "intermediate_size: expected a whole number")
+    for name, (folder, fragment) in cases.items():
+        with pytest.raises(ValueError) as e:
+            model_info(str(folder))
+        msg = str(e.value)
+        assert fragment in msg and str(folder) in msg and "\n" not in msg, (name, msg)
+
+
+def test_longest_row_is_the_engine_datasets_longest_example(demo_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.data import load_dataset
+
+    base = load_job(demo_dir / "job.yaml")
+    tokenizer = load_tokenizer(demo_dir / "model")
+
+    def engine_longest(j):
+        d = j.data
+        opts = dict(mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length, overlong=d.overlong)
+        return max(len(ex.ids) for path in (d.train, d.valid)
+                   for ex in load_dataset(path, tokenizer, **opts).examples)
+
+    full = longest_row(base)
+    assert full == engine_longest(base) and full > 20
+    # Truncation caps it; "skip" drops the long rows instead.
+    cut = base.model_copy(update={"data": base.data.model_copy(update={"max_seq_length": full - 3})})
+    assert longest_row(cut) == engine_longest(cut) == full - 3
+    skip = cut.model_copy(update={"data": cut.data.model_copy(update={"overlong": "skip"})})
+    assert longest_row(skip) == engine_longest(skip) <= full - 3
+    bad = base.model_copy(update={"model": str(demo_dir / "missing")})
+    with pytest.raises(ValueError, match="missing"):
+        longest_row(bad)
+
+
+# ---------------------------------------------------------------- against the engine
+
+@pytest.mark.parametrize("arch,seq,segment_size,attn_block", [
+    ("qwen3", 384, 1, 2048),   # one layer per segment
+    ("llama", 256, 5, 2048),   # the whole stack in one segment (sliding-window layers too)
+    ("qwen3", 512, 2, 128),    # blocked attention backward
+    ("minicpm", 256, 0, 2048),  # plain autodiff
+])
+def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_size, attn_block):
+    """The engine's own step, measured as engine/train.py measures it."""
+    from engine.model import apply_lora, load_model
+
+    info = model_info(str(tiny_models[arch]))
+    model, _ = load_model(tiny_models[arch])
+    apply_lora(model, rank=8, scale=20.0, dropout=0.0)
+    measured = measure_peak_gb(model, random_row(seq, info.vocab), segment_size=segment_size,
+                               attn_block=attn_block)
+    predicted = predict_gb(info, seq_len=seq, segment_size=segment_size, attn_block=attn_block)
+    assert measured <= predicted <= 2 * measured, (measured, predicted)
