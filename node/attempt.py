@@ -120,11 +120,13 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
         elif len(batch) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
             flush()
     code = proc.wait()
+    ended = time.time()
     drain.join(timeout=5)
     flush()
     proc.stdin.close()
 
-    result = dict(attempt=spec.attempt, exit_code=code, peak_gb=peak or None, steps=steps)
+    result = dict(attempt=spec.attempt, exit_code=code, peak_gb=peak or None, steps=steps,
+                  ended=ended)
     if running.cancelled:
         outcome, message = "cancelled", "cancelled"
     elif code == ev.EXIT_OK and end is not None:

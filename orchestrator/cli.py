@@ -203,8 +203,7 @@ def plan(sweep_file: Path, cluster_file, as_json: bool):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
-        from rich.console import Console
-        Console().print(views.plan_table(rows))
+        views.console().print(views.plan_table(rows))
 
 
 def _declared_nodes(spec):
@@ -293,8 +292,7 @@ def status(sweep, cluster_file, as_json: bool):
     if as_json:
         click.echo(json.dumps(sweeps, indent=2))
         return
-    from rich.console import Console
-    console = Console()
+    console = views.console()
     if not sweeps:
         console.print("no sweeps yet: segctl submit SWEEP.yaml")
     for sw in sweeps:
@@ -466,8 +464,7 @@ def cluster_status(cluster_file, as_json: bool):
     if as_json:
         click.echo(json.dumps(nodes, indent=2))
     else:
-        from rich.console import Console
-        Console().print(views.nodes_table(nodes))
+        views.console().print(views.nodes_table(nodes))
 
 
 @main.group()

@@ -51,6 +51,8 @@ class Controller:
         self.busy: dict[str, int] = {}          # node -> attempt running there
         self.free_since: dict[str, float] = {}  # node -> when it last became free
         self.inflight: dict[object, tuple[int, str, str]] = {}   # ref -> (attempt, trial, node)
+        self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
+        self.plans: dict[tuple, object] = {}    # (trial, node, budget, max_segment) -> Plan
         self.nodes_seen = 0.0
         self.recover()
 
@@ -155,12 +157,14 @@ class Controller:
     def turn(self) -> None:
         if self.clock() - self.nodes_seen > NODES_EVERY_S:
             self.refresh_nodes()
+        self.agents_up()
         refs = list(self.inflight)
         ready = []
         if refs:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TICK_S)
         else:
             time.sleep(TICK_S)
+        ended = []
         for ref in ready:
             aid, tid, node = self.inflight.pop(ref)
             try:
@@ -169,12 +173,18 @@ class Controller:
                 result = AttemptResult(attempt=aid, outcome="node_lost",
                                        message=f"node {node} lost ({type(e).__name__})")
                 self.agents.pop(node, None)   # its agent died with it; a new one if it returns
+            ended.append((aid, result))
             with self.mu:
                 self.busy.pop(node, None)
-                self.free_since[node] = self.clock()
-                self.finish(aid, result)
+                self.free_since[node] = result.ended or self.clock()
         with self.mu:
+            # Freed nodes get their next trial before the finished attempts are
+            # filed: storing an adapter takes longer than starting a process.
             self.place()
+            for aid, result in ended:
+                self.finish(aid, result)
+            if ended:
+                self.place()   # trials that went back to PENDING (oom, node lost)
 
     def refresh_nodes(self) -> None:
         self.nodes_seen = self.clock()
@@ -185,8 +195,25 @@ class Controller:
                 if name not in seen:
                     self.agents.pop(name)
             for name in seen:
-                if name not in self.agents:
-                    self.agents[name] = self.spawn_agent(name)
+                if name not in self.agents and name not in self.starting:
+                    agent = self.spawn_agent(name)
+                    self.starting[name] = (agent, agent.ping.remote())
+
+    def agents_up(self) -> None:
+        """A node takes work once its agent answers (its worker process is up), so
+        the first dispatch does not wait for an actor to start."""
+        if self.starting:
+            pings = {ping: name for name, (_, ping) in self.starting.items()}
+            up, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0)
+            for ping in up:
+                name = pings[ping]
+                agent, _ = self.starting.pop(name)
+                try:
+                    ray.get(ping)
+                except LOST:
+                    continue   # gone before it started; the next refresh tries again
+                with self.mu:
+                    self.agents[name] = agent
                     self.free_since[name] = self.clock()
 
     # ------------------------------------------------------------ placement
@@ -230,6 +257,12 @@ class Controller:
                 live += 1
 
     def _plan(self, t, node: NodeInfo, knobs: dict):
+        key = (t["id"], node.name, node.memory_gb, t["max_segment"])
+        if key not in self.plans:
+            self.plans[key] = self._plan_now(t, node, knobs)
+        return self.plans[key]
+
+    def _plan_now(self, t, node: NodeInfo, knobs: dict):
         job = JobSpec.model_validate(json.loads(t["job"]))
         return planner.plan(planner.ModelInfo.from_dict(json.loads(t["model_info"])), job,
                             seq_len=t["seq_len"], budget_gb=node.memory_gb,
@@ -280,7 +313,7 @@ class Controller:
         if r.outcome == "succeeded":
             self.stores.put_adapter(sid, tid, aid, r.adapter)
             self.state.move(tid, TrialState.SUCCEEDED, f"finished on {node}: final loss "
-                            f"{r.final_loss}, val loss {r.val_loss}", attempt=aid,
+                            f"{_fmt(r.final_loss)}, val loss {_fmt(r.val_loss)}", attempt=aid,
                             final_loss=r.final_loss, val_loss=r.val_loss, message="")
         elif r.outcome == "oom":
             self.state.move(tid, TrialState.OOM, f"{node}: {r.message}", attempt=aid)
@@ -347,6 +380,10 @@ class Controller:
         for s in self.state.q("SELECT id FROM sweeps WHERE state = 'RUNNING'"):
             self.state.set_sweep_state(s["id"], SweepState.INTERRUPTED,
                                        "the head restarted; `segctl resume` continues it")
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
 
 
 def _atomic_write(path: Path, blob: bytes) -> None:

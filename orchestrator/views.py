@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import time
 
+import sys
+
+from rich.console import Console
 from rich.table import Table
 
 STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "dim", "RUNNING": "cyan",
                "PLACED": "cyan", "OOM": "yellow", "NODE_LOST": "yellow", "PENDING": ""}
+
+
+def console() -> Console:
+    """A terminal gets its own width; a pipe or file gets wide lines instead of
+    rich's 80 columns, so tables stay readable in logs."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _num(x, fmt):
@@ -20,7 +29,7 @@ def trials_table(sweep: dict) -> Table:
     for t in sweep["trials"]:
         counts[t["state"]] = counts.get(t["state"], 0) + 1
     summary = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items()))
-    table = Table(title=f"{sweep['sweep']} [{sweep['state'].lower()}]: {summary}",
+    table = Table(title=f"{sweep['sweep']} ({sweep['state'].lower()}): {summary}",
                   title_justify="left")
     for col in ("trial", "state", "node", "seg", "step", "loss", "peak GB", "val loss",
                 "attempts", "params / message"):

@@ -103,6 +103,7 @@ class AttemptResult(BaseModel):
     exit_code: Optional[int] = None
     peak_gb: Optional[float] = None
     steps: int = 0
+    ended: Optional[float] = None    # unix time the engine process exited (the node was free)
     final_loss: Optional[float] = None
     val_loss: Optional[float] = None
     adapter: dict[str, bytes] = {}   # adapters.safetensors + adapter_config.json on success

@@ -23,10 +23,17 @@ def cli_env() -> dict:
     return env
 
 
-def segctl(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
-    """Run the real `segctl` CLI in a fresh process (stdout is a pipe, so events are JSON)."""
+def segctl(*args, cwd=None, timeout=300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `segctl` CLI in a fresh process (stdout is a pipe, so events are JSON).
+    `env` adds to (or, with None values, removes from) the environment."""
+    full = cli_env()
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = str(v)
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, env=cli_env(), timeout=timeout)
+                          capture_output=True, text=True, cwd=cwd, env=full, timeout=timeout)
 
 
 def assert_one_line_error(proc, *fragments, code=2):
