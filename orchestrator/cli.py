@@ -28,12 +28,16 @@ def _fail(message: str, code: int = ev.EXIT_BAD_INPUT):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="segctl")
 def main():
-    """Fine-tune LLMs with LoRA under MLX, one segment of layers in memory at a time.
+    """Fine-tune LLMs with LoRA under MLX, one segment of layers in memory at a time,
+    alone or across a fleet of Macs.
 
     \b
     Start here:
-      segctl init-demo demo        # tiny random model + data + demo/job.yaml
-      segctl train demo/job.yaml   # train it; the adapter lands in demo/adapters
+      segctl init-demo demo           # tiny random model + data + job.yaml + sweep.yaml
+      segctl train demo/job.yaml      # train on this machine (no Ray)
+      segctl plan demo/sweep.yaml     # what would run where, at which segment size
+      segctl submit demo/sweep.yaml   # run the sweep (this machine unless --cluster)
+      segctl status                   # sweeps and trials; segctl gather exports adapters
     """
 
 

@@ -86,7 +86,7 @@ class SweepSpec(BaseModel):
         {}, description="dotted job key -> values; the full cross product")
     random: Optional[RandomSpec] = None
     concurrency: Optional[int] = Field(None, ge=1, description="trials running at once at most; null = no cap")
-    retries: int = Field(3, ge=0, description="extra attempts per trial after oom / node lost / internal error")
+    retries: int = Field(3, ge=0, description="extra attempts per trial after oom or a lost node")
     placement: dict[str, str] = Field({}, description="node labels a trial needs (all must match)")
     priority: int = Field(0, description="higher is scheduled first (across sweeps)")
 
