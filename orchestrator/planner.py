@@ -137,7 +137,12 @@ def _act_bytes(weights: list[Path], cfg: dict) -> int:
         try:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
+                # a header longer than the file is not a header (and would be read whole)
+                if n > path.stat().st_size - 8 or n > 100 << 20:
+                    raise ValueError("header length out of range")
                 header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
         except (OSError, ValueError, struct.error):
             raise ValueError(f"{path}: not a safetensors file") from None
         for name, t in header.items():

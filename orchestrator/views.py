@@ -10,6 +10,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+SHORT = {"succeeded": "ok", "node_lost": "lost", "interrupted": "intr", "cancelled": "cancel"}
 STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "dim", "RUNNING": "cyan",
                "PLACED": "cyan", "OOM": "yellow", "NODE_LOST": "yellow", "PENDING": ""}
 
@@ -32,13 +33,16 @@ def trials_table(sweep: dict) -> Table:
     table = Table(title=f"{sweep['sweep']} ({sweep['state'].lower()}): {summary}",
                   title_justify="left")
     for col in ("trial", "state", "node", "seg", "step", "loss", "peak GB", "val loss",
-                "attempts", "params / message"):
-        table.add_column(col, no_wrap=col in ("trial", "state"))
+                "attempts"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("params / message", ratio=1)   # the one column that wraps
     for t in sweep["trials"]:
         a = t["attempts"][-1] if t["attempts"] else {}
-        outcomes = ",".join(x["outcome"] or x["status"] for x in t["attempts"])
+        outcomes = ",".join(SHORT.get(x["outcome"], x["outcome"] or x["status"])
+                            for x in t["attempts"])
         note = t["message"] or " ".join(f"{k}={v}" for k, v in t["params"].items())
-        table.add_row(t["trial"], f"[{STATE_STYLE.get(t['state'], '')}]{t['state']}[/]",
+        short = t["trial"][len(sweep["sweep"]) + 1:] if t["trial"].startswith(sweep["sweep"]) else t["trial"]
+        table.add_row(short, f"[{STATE_STYLE.get(t['state'], '')}]{t['state']}[/]",
                       a.get("node", ""), _num(a.get("segment_size"), "d"),
                       _num(a.get("step"), "d"), _num(a.get("loss"), ".4f"),
                       _num(a.get("peak_gb"), ".3f"), _num(t["val_loss"], ".4f"),

@@ -265,6 +265,62 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
     assert second[1]["resume_step"] >= 10
     assert sw["trials"][2]["attempts"] == []
     _no_duplicate_steps(_steps(fleet, sid), t1, 40)
+    # concurrency 1 on two free nodes: the attempts never overlapped
+    spans = sorted((a["started"], a["ended"]) for t in sw["trials"] for a in t["attempts"])
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), spans
+
+
+def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_message(fleet):
+    job = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
+    job["train"].update(iters=15)
+    (fleet["root"] / "job15.yaml").write_text(yaml.safe_dump(job))
+    low = _sweep(fleet, "low", placement={"name": "large"}, grid={"train.seed": [0, 1, 2]})
+    high = _sweep(fleet, "high", placement={"name": "large"}, priority=5,
+                  grid={"train.seed": [0, 1]})
+    for path in (low, high):
+        spec = yaml.safe_load(path.read_text())
+        spec["base"] = "job15.yaml"
+        path.write_text(yaml.safe_dump(spec))
+    first = segctl("submit", low, "--cluster", fleet["cluster"], "--detach").stdout.strip()
+    _wait(fleet, first, lambda sw: sw["trials"][0]["state"] == "RUNNING")
+    second = segctl("submit", high, "--cluster", fleet["cluster"], "--detach").stdout.strip()
+
+    # Weights that are not a model are refused at submit, before anything is written...
+    import shutil
+    garbage = fleet["root"] / "garbage-model"
+    shutil.copytree(fleet["root"] / "model", garbage)
+    (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
+    g = _sweep(fleet, "garbage")
+    spec = yaml.safe_load(g.read_text())
+    spec.pop("base")
+    spec["job"] = dict(job, model="garbage-model")
+    g.write_text(yaml.safe_dump(spec))
+    assert_one_line_error(segctl("submit", g, "--cluster", fleet["cluster"]),
+                          "model.safetensors: not a safetensors file")
+    # ... while weights the planner can read but the engine cannot load (a tensor
+    # missing) fail the trial on its node, with the engine's message, and no retry.
+    import mlx.core as mx
+    broken = fleet["root"] / "broken-model"
+    shutil.copytree(fleet["root"] / "model", broken)
+    weights = mx.load(str(broken / "model.safetensors"))
+    weights.pop(sorted(weights)[0])
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    bad = _sweep(fleet, "broken", placement={"pool": "b"})
+    spec = yaml.safe_load(bad.read_text())
+    spec.pop("base")
+    spec["job"] = dict(job, model="broken-model")
+    bad.write_text(yaml.safe_dump(spec))
+    proc = segctl("submit", bad, "--cluster", fleet["cluster"], "--json", timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    [t] = _status(fleet, proc.stderr.split("sweep ")[1].split(":")[0])["trials"]
+    assert t["state"] == "FAILED" and len(t["attempts"]) == 1, t   # not retried
+    assert "broken-model" in t["message"] and t["attempts"][0]["outcome"] == "failed", t
+
+    done = lambda sw: sw["state"] == "DONE"
+    lows, highs = _wait(fleet, first, done)["trials"], _wait(fleet, second, done)["trials"]
+    start = lambda t: t["attempts"][0]["started"]
+    # low's first trial was running when high arrived; after it, high's trials go first
+    assert max(start(t) for t in highs) < min(start(t) for t in lows[1:]), (highs, lows)
 
 
 def _no_duplicate_steps(rows, trial, total):

@@ -175,6 +175,12 @@ def test_model_info_on_bad_folders(tiny_models, tmp_path):
     (odd / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4,
                                                   "intermediate_size": [256, 512]}))
     cases["list"] = (odd, "intermediate_size: expected a whole number")
+    for name, junk in (("garbage", b"\xff" * 64), ("short", b"\x01\x00"),
+                       ("not an object", b"\x02" + b"\x00" * 7 + b"[]")):
+        folder = tmp_path / name.replace(" ", "-")
+        shutil.copytree(tiny_models["qwen3"], folder)
+        (folder / "model.safetensors").write_bytes(junk)
+        cases[name] = (folder, "model.safetensors: not a safetensors file")
     for name, (folder, fragment) in cases.items():
         with pytest.raises(ValueError) as e:
             model_info(str(folder))
