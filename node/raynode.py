@@ -110,21 +110,21 @@ def stop(pid: int, timeout: float = 5) -> None:
         return
     deadline = time.monotonic() + timeout
     # started in a session of its own, so its process group id is its pid
-    while time.monotonic() < deadline and (_alive(pid) or _group(pid)):
+    while time.monotonic() < deadline and (alive(pid) or _group(pid)):
         time.sleep(0.2)
     for member in _group(pid):
         try:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    while _alive(pid) and time.monotonic() < deadline + 5:
+    while alive(pid) and time.monotonic() < deadline + 5:
         time.sleep(0.1)
 
 
 def is_ray_start(pid: int) -> bool:
     """Is `pid` a live `ray start` process? Guards against a recorded pid that the
     OS has since given to something else."""
-    if not _alive(pid):
+    if not alive(pid):
         return False
     cmd = subprocess.run(["ps", "-o", "command=", "-p", str(pid)],
                          capture_output=True, text=True).stdout
@@ -222,7 +222,7 @@ def _wait(pid: int, log: Path, pick, address: str, env: dict, *, what: str,
           timeout: float = START_TIMEOUT_S) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
-        if not _alive(pid):
+        if not alive(pid):
             raise RuntimeError(f"{what} did not start: {_last_line(log.read_text(errors='replace'))}"
                                f" (log: {log})")
         found = pick(gcs_nodes(address, env, timeout=2) or [])
@@ -243,7 +243,8 @@ def _port_open(address: str) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Is process `pid` running (a zombie is not)?"""
     try:
         if os.waitpid(pid, os.WNOHANG)[0] == pid:   # our child and it has exited: reaped
             return False

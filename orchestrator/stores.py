@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 import zarr
 from zarr.storage import LocalStore
 
+from node.raynode import alive
 from schemas import store_rows as sr
 
 SCHEMA = """
@@ -263,7 +264,7 @@ class Stores:
         if base.is_dir():
             for p in base.iterdir():
                 pid = p.name.split("-", 1)[0]
-                if not (pid.isdigit() and _alive(int(pid))):
+                if not (pid.isdigit() and alive(int(pid))):
                     _rmtree(p)
 
     def _put_parquet(self, table: pa.Table, path: Path) -> None:
@@ -515,11 +516,3 @@ def _rmtree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -5,11 +5,11 @@ $SEGCTL_HOME; `segctl cluster down` stops what it started."""
 from __future__ import annotations
 
 import json
-import os
 
 import yaml
 
 from node.probe import default_name, probe
+from node.raynode import alive
 
 from .conftest import assert_one_line_error, segctl
 
@@ -51,10 +51,4 @@ def test_submit_a_job_on_this_machine_then_status_logs_and_down(demo_dir, tmp_pa
         down = segctl("cluster", "down", env=env)
         assert down.returncode == 0, down.stderr
     pids = [info["head"]["pid"]] + [n["pid"] for n in info.get("nodes", {}).values() if n.get("pid")]
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive = open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-        except (ProcessLookupError, FileNotFoundError):
-            alive = False
-        assert not alive, pid
+    assert not [pid for pid in pids if alive(pid)]

@@ -22,6 +22,8 @@ import pyarrow.dataset as pads
 import pytest
 import yaml
 
+from node.raynode import alive
+
 from .conftest import assert_one_line_error, cli_env, segctl
 
 PORT = 6471
@@ -85,7 +87,7 @@ def fleet(tmp_path_factory):
     down = segctl("cluster", "down", root / "cluster.yaml", timeout=120)
     assert down.returncode == 0, down.stderr
     for pid in _pids(fleet_info):
-        assert not _alive(pid), f"process {pid} outlived `segctl cluster down`"
+        assert not alive(pid), f"process {pid} outlived `segctl cluster down`"
 
 
 def _pids(info: dict) -> list[int]:
@@ -93,22 +95,19 @@ def _pids(info: dict) -> list[int]:
     return pids + [n["pid"] for n in info.get("nodes", {}).values() if n.get("pid")]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def _sweep(fleet, name: str, **spec) -> Path:
+def _sweep(fleet, name: str, *, train: dict | None = None, job: dict | None = None,
+           **spec) -> Path:
+    """Write sweep `name` over the module's job.yaml (its `train` section updated by
+    `train`, or the job inline with `job`'s keys replaced)."""
+    base = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
+    base["train"].update(train or {})
+    if job is not None:
+        spec["job"] = dict(base, **job)
+    else:
+        (fleet["root"] / f"{name}-job.yaml").write_text(yaml.safe_dump(base))
+        spec["base"] = f"{name}-job.yaml"
     path = fleet["root"] / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(dict(name=name, base="job.yaml", **spec), sort_keys=False))
+    path.write_text(yaml.safe_dump(dict(name=name, **spec), sort_keys=False))
     return path
 
 
@@ -228,15 +227,9 @@ def test_forced_oom_is_replanned_smaller_and_succeeds(fleet):
 
 
 def test_cancel_then_resume_after_a_head_restart(fleet):
-    path = _sweep(fleet, "resume", concurrency=1, placement={"pool": "b"},
-                  grid={"train.seed": [0, 1, 2]},
-                  )
-    job = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
-    job["train"].update(iters=40, checkpoint_every=5)
-    (fleet["root"] / "job40.yaml").write_text(yaml.safe_dump(job))
-    spec = yaml.safe_load(path.read_text())
-    spec["base"] = "job40.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    # t001 is long enough to be mid-run when the head goes away
+    path = _sweep(fleet, "resume", train={"checkpoint_every": 5}, concurrency=1,
+                  placement={"pool": "b"}, grid={"train.iters": [8, 120, 8]})
     proc = segctl("submit", path, "--cluster", fleet["cluster"], "--detach")
     assert proc.returncode == 0, proc.stderr
     sid = proc.stdout.strip()
@@ -264,23 +257,17 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
     assert [a["outcome"] for a in second] == ["interrupted", "succeeded"], second
     assert second[1]["resume_step"] >= 10
     assert sw["trials"][2]["attempts"] == []
-    _no_duplicate_steps(_steps(fleet, sid), t1, 40)
+    _no_duplicate_steps(_steps(fleet, sid), t1, 120)
     # concurrency 1 on two free nodes: the attempts never overlapped
     spans = sorted((a["started"], a["ended"]) for t in sw["trials"] for a in t["attempts"])
     assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), spans
 
 
 def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_message(fleet):
-    job = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
-    job["train"].update(iters=15)
-    (fleet["root"] / "job15.yaml").write_text(yaml.safe_dump(job))
-    low = _sweep(fleet, "low", placement={"name": "large"}, grid={"train.seed": [0, 1, 2]})
+    # low's first trial is long enough that high surely arrives while it runs
+    low = _sweep(fleet, "low", placement={"name": "large"}, grid={"train.iters": [60, 4, 4]})
     high = _sweep(fleet, "high", placement={"name": "large"}, priority=5,
                   grid={"train.seed": [0, 1]})
-    for path in (low, high):
-        spec = yaml.safe_load(path.read_text())
-        spec["base"] = "job15.yaml"
-        path.write_text(yaml.safe_dump(spec))
     first = segctl("submit", low, "--cluster", fleet["cluster"], "--detach").stdout.strip()
     _wait(fleet, first, lambda sw: sw["trials"][0]["state"] == "RUNNING")
     second = segctl("submit", high, "--cluster", fleet["cluster"], "--detach").stdout.strip()
@@ -290,11 +277,7 @@ def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_me
     garbage = fleet["root"] / "garbage-model"
     shutil.copytree(fleet["root"] / "model", garbage)
     (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
-    g = _sweep(fleet, "garbage")
-    spec = yaml.safe_load(g.read_text())
-    spec.pop("base")
-    spec["job"] = dict(job, model="garbage-model")
-    g.write_text(yaml.safe_dump(spec))
+    g = _sweep(fleet, "garbage", job={"model": "garbage-model"})
     assert_one_line_error(segctl("submit", g, "--cluster", fleet["cluster"]),
                           "model.safetensors: not a safetensors file")
     # ... while weights the planner can read but the engine cannot load (a tensor
@@ -305,11 +288,7 @@ def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_me
     weights = mx.load(str(broken / "model.safetensors"))
     weights.pop(sorted(weights)[0])
     mx.save_safetensors(str(broken / "model.safetensors"), weights)
-    bad = _sweep(fleet, "broken", placement={"pool": "b"})
-    spec = yaml.safe_load(bad.read_text())
-    spec.pop("base")
-    spec["job"] = dict(job, model="broken-model")
-    bad.write_text(yaml.safe_dump(spec))
+    bad = _sweep(fleet, "broken", job={"model": "broken-model"}, placement={"pool": "b"})
     proc = segctl("submit", bad, "--cluster", fleet["cluster"], "--json", timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     [t] = _status(fleet, proc.stderr.split("sweep ")[1].split(":")[0])["trials"]
@@ -350,13 +329,8 @@ def _status_count(fleet) -> int:
 
 def test_a_node_lost_mid_attempt_costs_no_trial_and_no_row(fleet):
     """Last: it takes a node away from the module's fleet."""
-    job = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
-    job["train"].update(iters=80, checkpoint_every=5)
-    (fleet["root"] / "job80.yaml").write_text(yaml.safe_dump(job))
-    path = _sweep(fleet, "lost", placement={"pool": "b"})
-    spec = yaml.safe_load(path.read_text())
-    spec["base"] = "job80.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path = _sweep(fleet, "lost", train={"iters": 80, "checkpoint_every": 5},
+                  placement={"pool": "b"})
     proc = segctl("submit", path, "--cluster", fleet["cluster"], "--detach")
     assert proc.returncode == 0, proc.stderr
     sid = proc.stdout.strip()
