@@ -101,10 +101,10 @@ def bench_fleet(nodes: int, trials: int, iters: int, rows: int, batch: int, port
             attempts = [a for t in sw["trials"] for a in t["attempts"]]
             if sub.returncode or any(t["state"] != "SUCCEEDED" for t in sw["trials"]):
                 sys.exit(f"sweep failed: {sub.stderr[-2000:]}")
-            disp = [a["dispatch_s"] for a in attempts]
+            disp = [a["dispatch_s"] for a in sorted(attempts, key=lambda a: a["started"])]
             row(bench="dispatch", nodes=nodes, attempts=len(disp),
                 median_s=round(statistics.median(disp), 4), max_s=round(max(disp), 4),
-                target_s=1.0)
+                each_s=[round(x, 3) for x in disp], target_s=1.0)
             first = min(a["started"] - a["dispatch_s"] for a in attempts)
             makespan = max(a["ended"] for a in attempts) - first
             work = sum(a["ended"] - a["started"] for a in attempts)

@@ -54,6 +54,7 @@ class Controller:
         self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
         self.plans: dict[tuple, object] = {}    # (trial, node, budget, max_segment) -> Plan
         self.nodes_seen = 0.0
+        self.wake = threading.Event()          # set by requests that may make work runnable
         self.recover()
 
     # ------------------------------------------------------------ requests
@@ -68,8 +69,10 @@ class Controller:
                 raise ValueError(f"input {sha[:12]} arrived damaged")
             _atomic_write(inputs / sha, blob)
         with self.mu:
-            return self.state.add_sweep(payload["name"], payload["path"], payload["spec"],
-                                        payload["trials"])
+            sid = self.state.add_sweep(payload["name"], payload["path"], payload["spec"],
+                                       payload["trials"])
+        self.wake.set()
+        return sid
 
     def cancel(self, target: str) -> list[str]:
         """Cancel a sweep (every trial not yet finished) or one trial."""
@@ -107,6 +110,7 @@ class Controller:
                 raise KeyError(f"no sweep named {sid!r}")
             if s["state"] == SweepState.INTERRUPTED.value:
                 self.state.set_sweep_state(sid, SweepState.RUNNING, "resumed by user")
+                self.wake.set()
             left = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state NOT IN"
                                   " ('SUCCEEDED','FAILED','CANCELLED')", (sid,))["n"]
             return {"sweep": sid, "state": self.state.one(
@@ -157,13 +161,16 @@ class Controller:
     def turn(self) -> None:
         if self.clock() - self.nodes_seen > NODES_EVERY_S:
             self.refresh_nodes()
-        self.agents_up()
+        if self.agents_up():
+            with self.mu:
+                self.place()
         refs = list(self.inflight)
         ready = []
         if refs:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TICK_S)
         else:
-            time.sleep(TICK_S)
+            self.wake.wait(TICK_S)
+        self.wake.clear()
         ended = []
         for ref in ready:
             aid, tid, node = self.inflight.pop(ref)
@@ -199,9 +206,10 @@ class Controller:
                     agent = self.spawn_agent(name)
                     self.starting[name] = (agent, agent.ping.remote())
 
-    def agents_up(self) -> None:
+    def agents_up(self) -> bool:
         """A node takes work once its agent answers (its worker process is up), so
-        the first dispatch does not wait for an actor to start."""
+        the first dispatch does not wait for an actor to start. True if one did."""
+        came = False
         if self.starting:
             pings = {ping: name for name, (_, ping) in self.starting.items()}
             up, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0)
@@ -215,6 +223,8 @@ class Controller:
                 with self.mu:
                     self.agents[name] = agent
                     self.free_since[name] = self.clock()
+                came = True
+        return came
 
     # ------------------------------------------------------------ placement
     def place(self) -> None:
@@ -302,7 +312,7 @@ class Controller:
         tid, sid = a["trial"], a["sweep"]
         peak = max(a["peak_gb"] or 0.0, r.peak_gb or 0.0) or None
         self.state.update_attempt(aid, status="ended", outcome=r.outcome, message=r.message,
-                                  ended=self.clock(), peak_gb=peak, final_loss=r.final_loss,
+                                  ended=r.ended or self.clock(), peak_gb=peak, final_loss=r.final_loss,
                                   val_loss=r.val_loss, step=r.steps or a["step"])
         self._seal(aid)
         t = self.state.trial(tid)
