@@ -18,6 +18,7 @@ import ray
 from schemas.records import AttemptResult, AttemptSpec
 
 from .attempt import Running, run_attempt
+from .models import local_model
 
 CALL_TIMEOUT_S = 120
 
@@ -52,6 +53,12 @@ class NodeAgent:
                 send_checkpoint=lambda step, files: ray.get(
                     head.checkpoint.remote(spec.attempt, step, files), timeout=CALL_TIMEOUT_S),
                 on_started=lambda pid, t: head.started.remote(spec.attempt, pid, t),
+                model_dir=lambda path: local_model(
+                    path, work_root(self.name).parent / "models",
+                    manifest=lambda p: ray.get(head.model_manifest.remote(p),
+                                               timeout=CALL_TIMEOUT_S),
+                    chunk=lambda p, name, offset, n: ray.get(
+                        head.model_chunk.remote(p, name, offset, n), timeout=CALL_TIMEOUT_S)),
                 running=running)
         finally:
             with self.lock:

@@ -45,8 +45,11 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
                 send_events: Callable[[list[dict]], None],
                 send_checkpoint: Callable[[int, dict[str, bytes]], None],
                 on_started: Callable[[int, float], None],
+                model_dir: Callable[[str], str] = lambda path: path,
                 running: Running | None = None,
                 python: str = sys.executable) -> AttemptResult:
+    """`model_dir` maps the job's model path to a folder on this machine (fetching
+    it from the head when this machine does not have it)."""
     running = running or Running()
     folder = work / f"attempt-{spec.attempt}"
     shutil.rmtree(folder, ignore_errors=True)
@@ -61,6 +64,7 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     if job["data"].get("valid"):
         job["data"]["valid"] = str(folder / "data" / "valid.jsonl")
     job["output"] = str(out)
+    job["model"] = model_dir(job["model"])
     job.setdefault("telemetry", {})["phases"] = True   # per-phase peaks feed memory.zarr
     resume = spec.checkpoint_step is not None
     if resume:

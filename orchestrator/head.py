@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ray
 
+from node import models
 from schemas.job import JobSpec
 from schemas.records import AttemptResult, AttemptSpec, NodeInfo, SweepState, TrialState
 
@@ -144,6 +145,14 @@ class Controller:
         with self.mu:
             a = self.state.attempt(aid)
             self.stores.put_checkpoint(a["sweep"], a["trial"], aid, step, files)
+
+    def model_folder(self, path: str) -> str:
+        """A node asks for a model it does not have: only a model some trial trains
+        is served (the token keeps strangers out; this keeps nodes to their business)."""
+        for (job,) in self.state.q("SELECT DISTINCT job FROM trials"):
+            if json.loads(job).get("model") == path:
+                return path
+        raise PermissionError(f"{path}: not the model of any trial")
 
     # ------------------------------------------------------------ the loop
     def run_forever(self, stop: threading.Event) -> None:
@@ -441,6 +450,12 @@ class Head:
 
     def checkpoint(self, aid: int, step: int, files: dict) -> None:
         self.c.checkpoint(aid, step, files)
+
+    def model_manifest(self, path: str) -> list:
+        return models.manifest(self.c.model_folder(path))
+
+    def model_chunk(self, path: str, name: str, offset: int, n: int) -> bytes:
+        return models.read_chunk(self.c.model_folder(path), name, offset, n)
 
 
 def get_head(root: Path, *, create: bool = True):
