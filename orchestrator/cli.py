@@ -418,15 +418,27 @@ def _cluster_arg(f):
 
 @cluster.command("up")
 @_cluster_arg
-def cluster_up(cluster_file):
-    """Start the head and every node (local ones here, remote ones over ssh)."""
+@click.option("--json", "as_json", is_flag=True, help="print the fleet record (address, pids)")
+def cluster_up(cluster_file, as_json: bool):
+    """Start the head and every node (local ones here, remote ones over ssh). A
+    fleet already up is left as it is; nodes missing from it are started."""
     from orchestrator import fleet
     spec = _cluster(cluster_file)
+    if not as_json:
+        n = len(spec.nodes) if spec else 1
+        click.echo(f"starting the head and {n} node(s) ...", err=True)
     try:
         info = fleet.up(spec)
     except (RuntimeError, OSError, TimeoutError) as e:
         _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
-    click.echo(f"fleet up: head {info.get('address')}, stores {_root(spec)}")
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        names = list(info.get("nodes") or {})
+        if (info.get("head") or {}).get("node"):
+            names.insert(0, f"{info['head']['node']} (on the head)")
+        click.echo(f"fleet up: head {info.get('address')}; nodes: {', '.join(names) or 'none'}; "
+                   f"stores {_root(spec)}")
 
 
 @cluster.command("down")
