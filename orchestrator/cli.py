@@ -322,13 +322,16 @@ def logs(trial, cluster_file, follow: bool):
     stores = Stores(root)
     last_event, last_seq = 0, {}
     while True:
+        lines = []   # (time, line): transitions and engine events in the order they happened
         for e in state.trial_events(con, trial, last_event):
             last_event = e["id"]
-            click.echo(views.transition_line(e))
+            lines.append((e["time"], views.transition_line(e)))
         for a in con.execute("SELECT id FROM attempts WHERE trial = ? ORDER BY id", (trial,)):
             for e in stores.events(a["id"], last_seq.get(a["id"], -1)):
                 last_seq[a["id"]] = e["seq"]
-                click.echo(views.engine_line(e))
+                lines.append((e.get("time", 0), views.engine_line(e)))
+        for _, line in sorted(lines, key=lambda x: x[0]):
+            click.echo(line)
         st = con.execute("SELECT state FROM trials WHERE id = ?", (trial,)).fetchone()["state"]
         if not follow or state.is_terminal(st):
             break

@@ -103,7 +103,8 @@ def engine_line(e: dict) -> str:
     if kind == "checkpoint":
         return f"{when}   checkpoint at step {e['step']} (shipped to the head)"
     if kind == "end":
-        return f"{when}   end: final loss {e['final_loss']}, val loss {e['val_loss']}"
+        f = lambda x: "-" if x is None else f"{x:.4f}"
+        return f"{when}   end: final loss {f(e['final_loss'])}, val loss {f(e['val_loss'])}"
     if kind == "error":
         return f"{when}   error ({e['kind']}): {e['message']}"
     if kind == "phase":
