@@ -11,6 +11,15 @@ layer, one sequence of --seq random tokens with the loss on its second half
 (`default_loss`, its compiled step, its class-level grad_checkpoint) on the same
 model. grad_checkpoint patches a class for the whole process, so run one
 configuration per process: `python -m bench.suite` does that.
+
+`--method orpo` runs one preference pair instead: a --seq//2-token prompt and a
+chosen and a rejected response of the other half each (so each branch is --seq
+tokens, and prefix-shared runs 1.5 x --seq), loss ENGINE.md's ORPO with nll
+scope response and lambda 0.1; `--prefix-shared` runs it as one sequence.
+`--impl mlx-lm-lora` times mlx-lm-lora's ORPO trainer step on the same pair
+(bench/orpo_ref.py; the same loss in our notation).
+
+`--arch gemma4_text` builds a Gemma-4-like model (bench_model says which shape).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import mlx.nn as nn
 from engine.model import apply_lora, model_parts
 from engine.optim import apply_grads, make_optimizer
 from engine.step import loss_and_grads
-from engine.data import Example
+from engine.data import Example, PreferenceExample
 
 
 def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0):
@@ -41,6 +50,8 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
                tie_word_embeddings=True)
     if arch == "minicpm":
         cfg.update(scale_emb=12.0, dim_model_base=256, scale_depth=1.4)
+    if arch == "gemma4_text":
+        cfg = gemma4_config(layers, dim, vocab)
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
     model.set_dtype(getattr(mx, dtype))
@@ -51,6 +62,20 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
     return model
 
 
+def gemma4_config(layers: int, dim: int, vocab: int) -> dict:
+    """Gemma-4-E2B-like at (layers=35, dim=1536, vocab=262144): 8 query heads of 256
+    (full-attention layers 512) over one K/V head, 4 sliding (window 512) to 1 full,
+    the last 20/35 of the layers reading the K/V of the last earlier layer of their
+    type, 256-wide per-layer inputs, intermediate 4 x dim (double in sharers)."""
+    return dict(model_type="gemma4_text", hidden_size=dim, num_hidden_layers=layers,
+                intermediate_size=4 * dim, num_attention_heads=8, head_dim=256,
+                global_head_dim=512, num_key_value_heads=1, rms_norm_eps=1e-6,
+                vocab_size=vocab, vocab_size_per_layer_input=vocab,
+                hidden_size_per_layer_input=256, num_kv_shared_layers=(20 * layers) // 35,
+                sliding_window=512, sliding_window_pattern=5, final_logit_softcapping=30.0,
+                max_position_embeddings=131072, tie_word_embeddings=True)
+
+
 def run(args) -> dict:
     model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype)
     mx.random.seed(123)
@@ -59,14 +84,22 @@ def run(args) -> dict:
     opt = make_optimizer(1e-5)
     phases: list[tuple[str, float]] = []
 
-    if args.impl == "mlx-lm":
+    p, r = args.seq // 2, args.seq - args.seq // 2
+    pair = PreferenceExample(ids[:p], ids[p:], mx.random.randint(0, args.vocab, (r,)).tolist())
+    orpo = dict(method="orpo", prefix_shared=args.prefix_shared) if args.method == "orpo" else {}
+
+    if args.impl == "mlx-lm-lora":
+        from bench.orpo_ref import mlx_lm_lora_orpo_step
+        do_step = mlx_lm_lora_orpo_step(model, opt, pair.prompt, pair.chosen, pair.rejected,
+                                        grad_checkpoint=args.mode == "checkpoint")
+    elif args.impl == "mlx-lm":
         step = _mlx_lm_step(model, opt, args.mode == "checkpoint")
         batch = (mx.array([ids]), mx.array([[prompt_len, args.seq]]))
         do_step = lambda: step(batch)
     else:
         seg = 0 if args.mode in ("plain", "checkpoint") else args.segment_size
         parts = model_parts(model, check=False)
-        ex = Example(ids, prompt_len)
+        ex = pair if orpo else Example(ids, prompt_len)
         state = [model.state, opt.state]
 
         def do_step():
@@ -75,7 +108,7 @@ def run(args) -> dict:
             loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=args.head_chunk,
                                          attn_block=args.attn_block,
                                          grad_checkpoint=args.mode == "checkpoint",
-                                         parts=parts, on_phase=on_phase)
+                                         parts=parts, on_phase=on_phase, **orpo)
             apply_grads(model, opt, grads, 1.0)
             mx.eval(state, loss)
             return loss
@@ -91,7 +124,9 @@ def run(args) -> dict:
         peaks.append(mx.get_peak_memory() / 1e9)
         losses.append(loss.item())
     row = {
-        "impl": args.impl, "mode": args.mode, "arch": args.arch, "layers": args.layers,
+        "impl": args.impl, "method": args.method, "mode": args.mode,
+        "prefix_shared": args.prefix_shared if args.impl == "segctl" and orpo else None,
+        "arch": args.arch, "layers": args.layers,
         "dim": args.dim, "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
         "segment_size": args.segment_size if args.mode == "segmented" else None,
         "head_chunk": args.head_chunk if args.impl == "segctl" else None,
@@ -144,7 +179,11 @@ def parse(argv=None):
     p.add_argument("--head-chunk", type=int, default=512)
     p.add_argument("--attn-block", type=int, default=0,
                    help="segmented: attention backward in blocks of this many query rows (0 = off)")
-    p.add_argument("--impl", default="segctl", choices=["segctl", "mlx-lm"])
+    p.add_argument("--impl", default="segctl", choices=["segctl", "mlx-lm", "mlx-lm-lora"],
+                   help="mlx-lm-lora: its ORPO trainer step (--method orpo only)")
+    p.add_argument("--method", default="sft", choices=["sft", "orpo"])
+    p.add_argument("--prefix-shared", action="store_true",
+                   help="orpo: one pass over [prompt | chosen | rejected]")
     p.add_argument("--phases", action="store_true", help="add per-phase peaks (segctl only)")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
     return p.parse_args(argv)
@@ -152,6 +191,8 @@ def parse(argv=None):
 
 if __name__ == "__main__":
     a = parse()
+    if {"mlx-lm-lora": "orpo", "mlx-lm": "sft"}.get(a.impl, a.method) != a.method:
+        sys.exit(f"--impl {a.impl} runs {'ORPO' if a.impl == 'mlx-lm-lora' else 'SFT'} only")
     if a.cpu:
         mx.set_default_device(mx.cpu)
     print(json.dumps(run(a)), flush=True)

@@ -1,6 +1,7 @@
 """The memory planner against the real engine: one JSON row per configuration.
 
     python -m bench.planner_fit > bench/results/planner-cpu.jsonl
+    python -m bench.planner_fit --orpo      # the ORPO rows only
 
 Each model is a small random one written by `engine.demo.write_model` (the
 vocabulary widened through the config, so ids beyond the toy tokenizer exist),
@@ -11,7 +12,10 @@ row of random tokens supervised in full (the head's worst case), and
 `measured_gb` is the larger step's `mx.get_peak_memory()`: the Step event's
 `peak_gb`. `predicted_gb` is `orchestrator.planner.predict_gb` for the same
 shape; ratio = predicted / measured, which the planner's constants keep >= 1.
-A summary goes to stderr. About 80-100 s on two CPU cores.
+ORPO rows (`ORPO_MODELS`) run a preference row of a P-token prompt and two R-token
+responses, two-branch (`method` orpo, seq = P + R) and prefix-shared
+(orpo-shared, seq = P + 2R), against the same estimate with their method.
+A summary goes to stderr. About 2 minutes on two CPU cores.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engine.data import Example
+from engine.data import Example, PreferenceExample
 from engine.demo import demo_examples, write_model
 from engine.model import apply_lora, load_model, model_parts
 from engine.optim import apply_grads, make_optimizer
@@ -53,6 +57,16 @@ MODELS = [
      [(512, seg, 2048, False) for seg in (1, 2, 4, 0)]),
 ]
 
+# (arch, layers, hidden, vocab, dtype) -> ORPO cases (prompt P, response R, segment_size, method).
+ORPO_MODELS = [
+    (("qwen3", 8, 64, 300, "float32"),
+     [(P, R, seg, m) for P, R in ((96, 32), (600, 200)) for seg in (1, 2, 0)
+      for m in ("orpo", "orpo-shared")]),
+    (("llama", 6, 128, 4000, "float32"),
+     [(P, R, seg, m) for P, R in ((200, 56), (700, 150)) for seg in (1, 6, 0)
+      for m in ("orpo", "orpo-shared")]),
+]
+
 
 def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: int,
                       dtype: str = "float32") -> Path:
@@ -67,8 +81,9 @@ def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: 
     return folder
 
 
-def measure_peak_gb(model, example: Example, *, segment_size: int, head_chunk: int = 512,
-                    attn_block: int = 2048, grad_checkpoint: bool = False, steps: int = 2) -> float:
+def measure_peak_gb(model, example, *, segment_size: int, head_chunk: int = 512,
+                    attn_block: int = 2048, grad_checkpoint: bool = False, steps: int = 2,
+                    **method) -> float:
     """Peak GB of `steps` training steps on `example`, measured as engine/train.py
     measures a step (a fresh AdamW, so step 1 also allocates its moments)."""
     parts = model_parts(model, check=False)
@@ -79,7 +94,7 @@ def measure_peak_gb(model, example: Example, *, segment_size: int, head_chunk: i
         mx.reset_peak_memory()
         loss, grads = loss_and_grads(model, example, segment_size=segment_size,
                                      head_chunk=head_chunk, attn_block=attn_block,
-                                     grad_checkpoint=grad_checkpoint, parts=parts)
+                                     grad_checkpoint=grad_checkpoint, parts=parts, **method)
         norm = apply_grads(model, optimizer, grads, 1.0)
         mx.eval(loss, norm, model.trainable_parameters(), optimizer.state)
         peak = max(peak, mx.get_peak_memory() / 1e9)
@@ -92,17 +107,28 @@ def random_row(seq: int, vocab: int, seed: int = 0) -> Example:
     return Example(mx.random.randint(0, vocab, (seq,)).tolist(), 0)
 
 
+def preference_row(P: int, R: int, vocab: int, seed: int = 0) -> PreferenceExample:
+    mx.random.seed(seed)
+    ids = mx.random.randint(0, vocab, (P + 2 * R,)).tolist()
+    return PreferenceExample(ids[:P], ids[P:P + R], ids[P + R:])
+
+
 def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for (arch, layers, hidden, vocab, dtype), cases in MODELS:
+        models = ORPO_MODELS if "--orpo" in sys.argv else MODELS + ORPO_MODELS
+        for (arch, layers, hidden, vocab, dtype), cases in models:
             folder = write_bench_model(Path(tmp) / f"{arch}-{layers}-{hidden}-{dtype}",
                                        arch, layers, hidden, vocab, dtype)
             info = model_info(str(folder))
             model, _ = load_model(folder)
             apply_lora(model, rank=RANK, scale=20.0, dropout=0.0)
             mx.eval(model.parameters())
-            for seq, seg, attn_block, ckpt in cases:
+            for case in cases:
+                if isinstance(case[3], str):
+                    rows.append(orpo_row(model, info, arch, layers, hidden, vocab, dtype, *case))
+                    continue
+                seq, seg, attn_block, ckpt = case
                 tic = time.perf_counter()
                 measured = measure_peak_gb(model, random_row(seq, vocab), segment_size=seg,
                                            attn_block=attn_block, grad_checkpoint=ckpt)
@@ -120,10 +146,29 @@ def main() -> None:
             gc.collect()
             mx.clear_cache()
     ratios = [r["ratio"] for r in rows]
+    orpo = [r["ratio"] for r in rows if r.get("method", "sft") != "sft"]
+    if orpo:
+        print(f"orpo rows: ratio min {min(orpo):.3f} max {max(orpo):.3f}", file=sys.stderr)
     long = [r["ratio"] for r in rows if r["seq"] >= 256]
     print(f"{len(rows)} rows: ratio min {min(ratios):.3f} max {max(ratios):.3f}; "
           f"seq >= 256: min {min(long):.3f} max {max(long):.3f}; "
           f"{sum(r < 1 for r in ratios)} below 1", file=sys.stderr)
+
+
+def orpo_row(model, info, arch, layers, hidden, vocab, dtype, P, R, seg, method) -> dict:
+    tic = time.perf_counter()
+    shared = method == "orpo-shared"
+    measured = measure_peak_gb(model, preference_row(P, R, vocab), segment_size=seg,
+                               method="orpo", prefix_shared=shared)
+    seq = P + 2 * R if shared else P + R
+    predicted = predict_gb(info, seq_len=seq, segment_size=seg, lora_rank=RANK, method=method)
+    row = dict(arch=arch, layers=layers, hidden=hidden, vocab=vocab, dtype=dtype, method=method,
+               prompt=P, response=R, seq=seq, segment_size=seg, attn_block=2048,
+               grad_checkpoint=False, measured_gb=round(measured, 5),
+               predicted_gb=round(predicted, 5), ratio=round(predicted / measured, 3),
+               seconds=round(time.perf_counter() - tic, 2), info=info.to_dict())
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":

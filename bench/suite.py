@@ -3,6 +3,7 @@ grad_checkpoint patches a class for the whole process), side by side in one run.
 
     python -m bench.suite cpu   > bench/results/cpu.jsonl
     python -m bench.suite h200 2048,8192 >> bench/results/h200.jsonl
+    python -m bench.suite cpu-orpo | h200-orpo | cpu-gemma4 | h200-gemma4
 
 Each row is printed as it lands; a configuration that fails prints a row with
 "error" instead of stopping the suite.
@@ -37,7 +38,38 @@ BLOCKED = [
     dict(impl="segctl", mode="segmented", segment_size=1, attn_block=4096),
 ]
 
+# ORPO, one preference pair (prompt = seq/2, chosen and rejected seq/2 each): mlx-lm-lora's
+# trainer step against ours two-branch and prefix-shared at the job defaults.
+ORPO = dict(method="orpo")
+ORPO_COMPARE = [
+    dict(ORPO, impl="mlx-lm-lora", mode="plain"),
+    dict(ORPO, impl="mlx-lm-lora", mode="checkpoint"),
+    dict(ORPO, impl="segctl", mode="segmented", segment_size=1, attn_block=2048, phases=True),
+    dict(ORPO, impl="segctl", mode="segmented", segment_size=1, attn_block=2048,
+         prefix_shared=True, phases=True),
+    dict(ORPO, impl="segctl", mode="segmented", segment_size=2, attn_block=2048),
+    dict(ORPO, impl="segctl", mode="segmented", segment_size=2, attn_block=2048,
+         prefix_shared=True),
+]
+ORPO_PLAIN = [dict(ORPO, impl="segctl", mode="plain"),
+              dict(ORPO, impl="segctl", mode="plain", prefix_shared=True)]
+
+# Gemma-4-E2B-like (bench.engine.gemma4_config): 35 layers, 20 of them reading donor K/V.
+GEMMA4_E2B = dict(arch="gemma4_text", layers=35, dim=1536, vocab=262144, dtype="bfloat16", steps=3)
+GEMMA4_CPU = dict(arch="gemma4_text", layers=10, dim=256, vocab=32000, dtype="float32", steps=3)
+GEMMA4_COMPARE = [
+    dict(impl="mlx-lm", mode="plain"),
+    dict(impl="mlx-lm", mode="checkpoint"),
+    dict(impl="segctl", mode="segmented", segment_size=1, attn_block=2048, phases=True),
+    dict(impl="segctl", mode="segmented", segment_size=2, attn_block=2048),
+    dict(impl="segctl", mode="segmented", segment_size=5, attn_block=2048),
+]
+
 PLANS = {
+    "cpu-orpo": [dict(CPU, seq=1024, **c) for c in ORPO_COMPARE + ORPO_PLAIN],
+    "cpu-gemma4": [dict(GEMMA4_CPU, seq=1024, **c) for c in GEMMA4_COMPARE],
+    "h200-orpo": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192) for c in ORPO_COMPARE],
+    "h200-gemma4": [dict(GEMMA4_E2B, seq=seq, **c) for seq in (2048, 8192) for c in GEMMA4_COMPARE],
     "cpu": [dict(CPU, seq=1024, **c) for c in COMPARE + BLOCKED[2:4]],
     # the job defaults (segment_size 1, head_chunk 512, attn_block 2048) vs mlx-lm
     "h200-default": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192, 16384)

@@ -26,26 +26,22 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 
-def layer_vjp(layer, mask, h, params, dh, set_params, block: int, seed: int):
-    """(dh_in, param grads) of `layer` at input h with cotangent dh, blockwise attention."""
-
-    def fn(x, *values):
-        set_params(values)
-        mx.random.seed(seed)  # same dropout masks in every pass
-        return [layer(x, mask)]
-
+def layer_vjp(layer, fn, primals: list, cotangents: list, block: int) -> list:
+    """mx.vjp(fn, primals, cotangents)[1] for a function `fn` that runs `layer` once,
+    with the layer's attention backward taken in blocks of `block` query rows.
+    `fn` must draw the same dropout masks on every call (the step seeds per layer)."""
     box: dict = {}
     with _swapped(layer, _recording(box)):
-        _, cots = mx.vjp(fn, [h, *params], [dh])
+        _, cots = mx.vjp(fn, primals, cotangents)
     if "q" not in box:  # no attention was swapped, so the record pass is the plain vjp
-        return cots[0], cots[1:]
+        return cots
     q, k, v, d_out = box["q"], box["k"], box["v"], box["d_out"]
     mx.eval(q, k, v, d_out)
     grads = _blocked_grads(q, k, v, d_out, box["mask"], box["scale"], block)
     box.clear()
     with _swapped(layer, _replaying(grads)):
-        _, cots = mx.vjp(fn, [h, *params], [dh])
-    return cots[0], cots[1:]
+        _, cots = mx.vjp(fn, primals, cotangents)
+    return cots
 
 
 @contextmanager

@@ -6,6 +6,14 @@ Rows are jsonl in the shapes mlx-lm's LoRA trainer accepts:
   {"messages": [{"role", "content"}, ...]} rendered with the chat template
 With `mask_prompt` the loss covers only the response (the completion, or the last
 message); the prompt is context.
+
+For ORPO, rows are preference pairs in mlx-lm-lora's ORPO shape:
+  {"prompt": ..., "chosen": ..., "rejected": ..., "system": ...(optional)}
+prompt is a string (the user's message) or a list of messages ("question" is
+read when "prompt" is absent, as mlx-lm-lora does); chosen and rejected are a
+string, a {"content": ...} object, or a list of messages ending with the
+assistant's (a whole conversation, as many preference sets on the Hub have it:
+only that last message is the response).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -22,13 +31,23 @@ class Example:
     prompt_len: int  # tokens of context; the loss covers ids[prompt_len:]
 
 
+@dataclass(frozen=True)
+class PreferenceExample:
+    prompt: list[int]    # the rendered prompt, generation header included
+    chosen: list[int]    # response tokens only: the chosen sequence is prompt + chosen
+    rejected: list[int]  # response tokens only: the rejected sequence is prompt + rejected
+    # The rejected branch's own prompt when its tokens differ from `prompt`; such
+    # a row cannot share one prefix, so the step runs it as two branches.
+    rejected_prompt: Optional[list[int]] = None
+
+
 class DataError(ValueError):
     """A data file or row we cannot train on; the message starts with file:line."""
 
 
 @dataclass
 class Dataset:
-    examples: list[Example]
+    examples: list  # Example for sft, PreferenceExample for orpo
     truncated: int = 0   # rows cut to max_seq_length (policy "truncate")
     skipped: int = 0     # rows dropped for length (policy "skip")
     path: str = ""
@@ -38,24 +57,17 @@ class Dataset:
         return len(self.examples)
 
 
-def load_dataset(path: str | Path, tokenizer, *, mask_prompt: bool = True,
+def load_dataset(path: str | Path, tokenizer, *, method: str = "sft", mask_prompt: bool = True,
                  max_seq_length: int = 2048, overlong: str = "truncate") -> Dataset:
+    """The rows of a jsonl file as token ids, for the job's `method` ("sft" or
+    "orpo"; orpo rows are preference pairs and `mask_prompt` does not apply)."""
+    if method == "orpo":
+        return load_preferences(path, tokenizer, max_seq_length=max_seq_length, overlong=overlong)
+    if method != "sft":
+        raise ValueError(f"unknown method {method!r}")
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise DataError(f"{path}: data file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
     ds = Dataset([], path=str(path))
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+    for where, row in _rows(path):
         ids, prompt_len = encode_row(row, tokenizer, mask_prompt, where)
         if len(ids) > max_seq_length:
             if overlong == "skip":
@@ -71,6 +83,25 @@ def load_dataset(path: str | Path, tokenizer, *, mask_prompt: bool = True,
     if not ds.examples:
         raise DataError(f"{path}: no usable rows")
     return ds
+
+
+def _rows(path: Path):
+    """(`file:line`, parsed JSON) for each non-blank line of a jsonl file."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{path}: data file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+        yield where, row
 
 
 def encode_row(row, tokenizer, mask_prompt: bool, where: str) -> tuple[list[int], int]:
@@ -121,6 +152,129 @@ def _chat(messages, tokenizer, mask_prompt, where):
     except Exception as e:
         raise DataError(f"{where}: chat template failed ({e})") from None
     return ids, prompt_len
+
+
+def load_preferences(path: str | Path, tokenizer, *, max_seq_length: int = 2048,
+                     overlong: str = "truncate") -> Dataset:
+    """ORPO preference pairs. Each branch (prompt + chosen, prompt + rejected) is
+    held to max_seq_length by cutting its response's tail ("truncate") or by
+    dropping the row ("skip"); a row counts once however many branches were cut."""
+    path = Path(path)
+    ds = Dataset([], path=str(path))
+    for where, row in _rows(path):
+        ex = encode_preference(row, tokenizer, where)
+        room = max_seq_length - len(ex.prompt)
+        if len(ex.chosen) > room or len(ex.rejected) > room:
+            if overlong == "skip":
+                ds.skipped += 1
+                continue
+            ex = PreferenceExample(ex.prompt, ex.chosen[:max(room, 0)], ex.rejected[:max(room, 0)])
+            ds.truncated += 1
+        if room <= 0:
+            raise DataError(f"{where}: the prompt alone is {len(ex.prompt)} tokens; max_seq_length "
+                            f"{max_seq_length} leaves no response tokens to train on")
+        ds.examples.append(ex)
+    if not ds.examples:
+        raise DataError(f"{path}: no usable rows")
+    return ds
+
+
+def encode_preference(row, tokenizer, where: str) -> PreferenceExample:
+    """One preference row -> prompt ids and the two responses' ids, each response
+    being exactly what the chat template adds after the prompt."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
+    missing = [k for k in ("prompt", "chosen", "rejected")
+               if k not in row and not (k == "prompt" and "question" in row)]
+    if missing:
+        raise DataError(f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected'; "
+                        f"missing {', '.join(repr(k) for k in missing)} "
+                        f"(keys: {', '.join(sorted(row)) or 'none'})")
+    if row.get("preference_score", 1.0) != 1.0:
+        # mlx-lm-lora scales the chosen log p by it; we would silently train something else
+        raise DataError(f"{where}: 'preference_score' is not supported (only 1.0)")
+    prompt = _prompt_messages(row, where)
+    chosen = _response(row["chosen"], "chosen", where)
+    rejected = _response(row["rejected"], "rejected", where)
+
+    # Thinking templates (Qwen3) render a finished answer with an empty think block;
+    # the prompt must carry that block too to be a prefix (mlx-lm-lora does the same).
+    kwargs = {"enable_thinking": False} if getattr(tokenizer, "has_thinking", False) else {}
+    try:
+        prompt_ids = list(tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, return_dict=False, **kwargs))
+        full = [list(tokenizer.apply_chat_template(
+                    prompt + [{"role": "assistant", "content": text}], return_dict=False, **kwargs))
+                for text in (chosen, rejected)]
+    except Exception as e:
+        raise DataError(f"{where}: chat template failed ({e})") from None
+    if not prompt_ids:
+        raise DataError(f"{where}: the chat template renders the prompt as no tokens")
+    P = len(prompt_ids)
+    for ids, key in zip(full, ("chosen", "rejected")):
+        if ids[:P] != prompt_ids:
+            raise DataError(f"{where}: chat template does not render the prompt as a prefix of "
+                            f"the prompt + '{key}' conversation (token-exact), so its response "
+                            f"tokens cannot be told apart")
+        if len(ids) == P:
+            raise DataError(f"{where}: '{key}' renders to no tokens after the prompt")
+    return PreferenceExample(prompt_ids, full[0][P:], full[1][P:])
+
+
+def _prompt_messages(row: dict, where: str) -> list[dict]:
+    key = "prompt" if "prompt" in row else "question"
+    prompt, system = row[key], row.get("system")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f"{where}: '{key}' is empty")
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt:
+        _check_messages(prompt, key, where)
+        if prompt[-1]["role"] == "assistant":
+            raise DataError(f"{where}: '{key}' must not end with the assistant's message "
+                            f"(the response is 'chosen' / 'rejected')")
+        messages = list(prompt)
+    else:
+        raise DataError(f"{where}: '{key}' must be a non-empty string or a non-empty list of messages")
+    if "system" in row:
+        if not isinstance(system, str) or not system:
+            raise DataError(f"{where}: 'system' must be a non-empty string")
+        if messages[0]["role"] == "system":
+            raise DataError(f"{where}: both 'system' and a system message in '{key}'; give one")
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _response(value, key: str, where: str) -> str:
+    """The response text of a chosen / rejected value."""
+    if isinstance(value, dict) and "messages" in value:
+        value = value["messages"]
+    if isinstance(value, list):
+        if not value:
+            raise DataError(f"{where}: '{key}' is an empty list")
+        _check_messages(value, key, where)
+        if value[-1]["role"] != "assistant":
+            raise DataError(f"{where}: '{key}' must end with the assistant's message, "
+                            f"got '{value[-1]['role']}'")
+        value = value[-1]["content"]
+    elif isinstance(value, dict):
+        if not isinstance(value.get("content"), str) or value.get("role", "assistant") != "assistant":
+            raise DataError(f"{where}: '{key}' as an object needs a string 'content' "
+                            f"(and role 'assistant' if it has one)")
+        value = value["content"]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: '{key}' must be a string or a list of messages, "
+                        f"got {type(value).__name__}")
+    if not value:
+        raise DataError(f"{where}: '{key}' is empty")
+    return value
+
+
+def _check_messages(messages: list, key: str, where: str) -> None:
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: {key}[{i}] needs string 'role' and 'content'")
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -1,5 +1,6 @@
 """Tiny self-contained demo: a random-initialised model in Hugging Face layout,
-a toy prompt/completion data set it can learn quickly, and a segctl job file.
+a toy prompt/completion (or prompt/chosen/rejected) data set it can learn
+quickly, and a segctl job file.
 
 Everything is built locally (no downloads), so `segctl` can be tried end to end
 on a laptop CPU in about a minute.
@@ -14,7 +15,8 @@ import secrets
 import string
 from pathlib import Path
 
-ARCHS = ("llama", "qwen3", "minicpm")
+ARCHS = ("llama", "qwen3", "minicpm", "gemma4_text")
+METHODS = ("sft", "orpo")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -30,18 +32,17 @@ CHAT_TEMPLATE = (
 )
 
 JOB_TEMPLATE = """\
-# segctl job: LoRA SFT of the demo model (see `segctl train --help`)
+# segctl job: LoRA {what} of the demo model (see `segctl train --help`)
 name: demo-{arch}
-method: sft
+method: {method}
 model: model
 output: adapters
 data:
   train: data/train.jsonl
   valid: data/valid.jsonl
-  mask_prompt: true
-  max_seq_length: 256
+{data_extra}  max_seq_length: 256
   overlong: truncate
-lora:
+{method_section}lora:
   rank: 8
   scale: 20.0
   dropout: 0.0
@@ -61,6 +62,22 @@ memory:
   segment_size: 1
   head_chunk: 512
 """
+
+# Per-method parts of JOB_TEMPLATE. ORPO rows carry their own chosen/rejected
+# split, so mask_prompt has no say there; nll_scope plays its part.
+JOB_PARTS = {
+    "sft": {"what": "SFT", "data_extra": "  mask_prompt: true\n", "method_section": ""},
+    "orpo": {
+        "what": "ORPO",
+        "data_extra": "",
+        "method_section": (
+            "orpo:\n"
+            "  lambda: 0.1                  # weight of the odds-ratio term next to the NLL\n"
+            "  nll_scope: response          # NLL over the chosen response (or full: prompt too)\n"
+            "  prefix_shared: true          # one forward over [prompt | chosen | rejected]\n"
+        ),
+    },
+}
 
 
 SWEEP_TEMPLATE = """\
@@ -101,6 +118,22 @@ def demo_examples(n: int, seed: int) -> list[dict]:
         start = rng.choice(START_LETTERS)
         rest = string.ascii_lowercase[string.ascii_lowercase.index(start) + 1 :]
         rows.append({"prompt": f"after {start}", "completion": " ".join(rest)})
+    return rows
+
+
+def demo_preferences(n: int, seed: int) -> list[dict]:
+    """`n` preference rows of the same task: the right continuation is chosen, the
+    same letters each shifted one on ("z" wraps to "a") are rejected.
+
+    Same prompts as `demo_examples(n, seed)`; the rejected text has the chosen
+    one's length and format and is wrong at every letter, so the preference is
+    never ambiguous (a reversed list would equal the chosen one for "after y").
+    """
+    letters = string.ascii_lowercase
+    rows = []
+    for r in demo_examples(n, seed):
+        shifted = " ".join(letters[(letters.index(c) + 1) % 26] for c in r["completion"].split())
+        rows.append({"prompt": r["prompt"], "chosen": r["completion"], "rejected": shifted})
     return rows
 
 
@@ -199,6 +232,8 @@ def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: 
         "bos_token_id": bos,
         "eos_token_id": eos,
     }
+    if arch == "gemma4_text":
+        return _gemma4_config(common, head_dim=head_dim, layers=layers, vocab_size=vocab_size, bos=bos)
     if arch == "llama":
         return {
             "model_type": "llama",
@@ -234,6 +269,46 @@ def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: 
         # so a tied checkpoint fails strict loading (and its tied path also skips
         # the hidden/dim_model_base logit scaling that HF applies).
         "tie_word_embeddings": False,
+    }
+
+
+# Small enough that most demo rows run past it (sft rows are 12-27 tokens, a
+# prefix-shared orpo row 15-45), so sliding layers really slide.
+GEMMA4_WINDOW = 16
+
+
+def _gemma4_config(common: dict, *, head_dim: int, layers: int, vocab_size: int, bos: int) -> dict:
+    # Layer types alternate sliding/full, and the last half of the layers (from 3
+    # layers on) share K/V: the first half then holds a donor of each type, e.g. 6
+    # layers s f s | f s f, layers 3 and 5 reading layer 1's K/V and layer 4 layer
+    # 2's, so segment sizes 2 and 3 both cut between donors and their sharers (the
+    # demo's 4 layers: s f | s f, 2 reads 0 and 3 reads 1).
+    # (mlx-lm finds each sharer's donor by type among the non-shared layers, so
+    # both types must occur there.)
+    common = {k: v for k, v in common.items() if k != "rope_theta"}  # per type below
+    return {
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        **common,
+        "head_dim": head_dim,
+        "global_head_dim": 2 * head_dim,  # full layers have wider heads, as in Gemma 4
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": GEMMA4_WINDOW,
+        "sliding_window_pattern": 2,
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        "num_kv_shared_layers": layers // 2 if layers >= 3 else 0,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": vocab_size,
+        "final_logit_softcapping": 30.0,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                               "rope_type": "proportional"},
+            "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                  "rope_type": "default"},
+        },
+        "pad_token_id": bos,
+        "tie_word_embeddings": True,
     }
 
 
@@ -326,15 +401,19 @@ def write_demo(
     n_valid: int = 40,
     layers: int = 4,
     hidden: int = 128,
+    method: str = "sft",
 ) -> Path:
-    """Create `out_dir` with model/, data/{train,valid}.jsonl and job.yaml.
+    """Create `out_dir` with model/, data/{train,valid}.jsonl, job.yaml and sweep.yaml.
 
-    Built in a sibling temp folder and renamed into place, so a failure never
+    `method` "sft" writes prompt/completion rows, "orpo" prompt/chosen/rejected
+    rows and an `orpo:` job section. Built in a sibling temp folder and renamed into place, so a failure never
     leaves a half-written demo behind. Returns the path of job.yaml.
     """
     out_dir = Path(out_dir)
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(
             f"{out_dir} already exists and is not an empty folder; choose a new path or remove it first"
@@ -342,8 +421,9 @@ def write_demo(
 
     # Disjoint seed streams; the task domain is tiny, so valid measures fit, not
     # generalisation.
-    train = demo_examples(n_train, seed=2 * seed)
-    valid = demo_examples(n_valid, seed=2 * seed + 1)
+    rows = demo_preferences if method == "orpo" else demo_examples
+    train = rows(n_train, seed=2 * seed)
+    valid = rows(n_valid, seed=2 * seed + 1)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Sibling of out_dir so the final rename stays on one file system; plain mkdir
@@ -351,12 +431,15 @@ def write_demo(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        corpus = [_render_chat(r["prompt"], r["completion"]) for r in train]
+        # The tokenizer must learn the rejected texts' merges too.
+        corpus = [_render_chat(r["prompt"], r[k]) for r in train
+                  for k in ("completion", "chosen", "rejected") if k in r]
         write_model(tmp / "model", arch, corpus=corpus, seed=seed, layers=layers, hidden=hidden)
         (tmp / "data").mkdir()
         _write_jsonl(tmp / "data" / "train.jsonl", train)
         _write_jsonl(tmp / "data" / "valid.jsonl", valid)
-        (tmp / "job.yaml").write_text(JOB_TEMPLATE.format(arch=arch), encoding="utf-8")
+        (tmp / "job.yaml").write_text(JOB_TEMPLATE.format(arch=arch, method=method,
+                                                         **JOB_PARTS[method]), encoding="utf-8")
         (tmp / "sweep.yaml").write_text(SWEEP_TEMPLATE, encoding="utf-8")
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above); rename cannot replace a folder

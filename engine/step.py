@@ -1,6 +1,6 @@
-"""One training step's loss and LoRA gradients, three ways.
+"""One training step's loss and LoRA gradients, for SFT and ORPO, three ways.
 
-- plain (`segment_size=0`): autodiff through the model's own forward; the reference.
+- plain (`segment_size=0`): autodiff through the whole forward; the reference.
 - grad_checkpoint: the same loss with every layer recomputed under `mx.checkpoint`
   in the backward, as mlx-lm's `--grad-checkpoint` does, but wrapped per call
   instead of patching the layer class for the whole process.
@@ -9,19 +9,34 @@
   boundary); the backward recomputes each segment under `mx.vjp` in reverse. Peak
   memory follows one segment instead of the whole stack.
 
-All three return the same loss: the mean cross-entropy over input positions
-t in [max(0, prompt_len-1), len(ids)-2] predicting ids[t+1].
+Every loss here is a small function of a few sums of per-position log-probs: SFT
+is -(sum over the response)/count; ORPO needs the chosen and rejected response
+sums (and the chosen sequence's for `nll_scope: full`). So a step is described as
+*streams* (token sequences run through the layers: one for SFT and prefix-shared
+ORPO, two for two-branch ORPO), each with the hidden rows the head reads, the
+tokens they predict and which sums each row counts toward. The segmented head
+computes each row's log p and its gradient d(log p)/dh with cotangent 1, chunk by
+chunk; once all sums are known, the loss's gradient with respect to the sums
+scales those rows into dh. Rows are independent, so this equals the gradient of
+the unchunked loss.
+
+Gemma-4 layers that reuse a donor layer's K/V (`parts.donors`): a segment that
+holds a donor whose sharers sit in later segments also outputs the donor's K/V;
+those segments take them as inputs, and in the backward their dK/dV are summed
+and handed to the producer as extra cotangents next to dh.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .data import Example
+from .data import Example, PreferenceExample
 from .model import ModelParts, model_parts
 
 PhaseHook = Callable[[str], None]
@@ -38,212 +53,496 @@ def plan_segments(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + segment_size, n_layers)) for lo in range(0, n_layers, segment_size)]
 
 
-def loss_and_grads(model: nn.Module, example: Example, *, segment_size: int,
+def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_size: int,
                    head_chunk: int = 512, attn_block: int = 0, grad_checkpoint: bool = False,
-                   parts: ModelParts | None = None, on_phase: PhaseHook | None = None):
+                   prefix_shared: bool = False, lambda_: float = 0.1,
+                   nll_scope: str = "response", parts: ModelParts | None = None,
+                   on_phase: PhaseHook | None = None, metrics: dict | None = None):
     """(loss, grads) for one example; grads keyed like tree_flatten(trainable_parameters()).
 
-    attn_block (segmented only): when the sequence is longer, each layer's
-    attention backward walks blocks of this many query rows (engine/attention.py);
-    0 leaves attention to MLX's whole-matrix backward.
+    method "sft" takes an `Example`, "orpo" a `PreferenceExample`. prefix_shared
+    (ORPO): one pass over [prompt | chosen | rejected] instead of two; an example
+    it cannot serve runs two-branch, and `metrics["prefix_shared"]` says which
+    ran. attn_block (segmented only): when the sequence is longer, each layer's
+    attention backward walks blocks of this many query rows (engine/attention.py).
+    `metrics`, when given, receives the step's ORPO figures (margin, accuracy,
+    log_odds, nll).
     """
-    ids, start = _span(example)
+    parts = parts or model_parts(model, check=False)
+    plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
+                     nll_scope=nll_scope)
     if segment_size == 0:
-        return _plain(model, ids, start, grad_checkpoint, parts, on_phase)
-    parts = parts or model_parts(model, check=False)
-    return _segmented(model, parts, ids, start, segment_size, head_chunk, attn_block, on_phase)
+        loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
+    else:
+        loss, grads, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
+                                       on_phase)
+    if metrics is not None:
+        metrics.update(plan.report(sums))
+    return loss, grads
 
 
-def eval_loss(model: nn.Module, example: Example, *, head_chunk: int = 512,
+def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int = 512,
+              prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
               parts: ModelParts | None = None) -> tuple[float, int]:
-    """(mean loss, supervised token count) without gradients, for validation."""
-    ids, start = _span(example)
+    """(loss, weight) without gradients, for validation: SFT weighs by supervised
+    tokens, ORPO by rows (its loss is already a per-row mean)."""
     parts = parts or model_parts(model, check=False)
-    h = parts.embed(ids[None, :-1])
-    for layer, mask in zip(parts.layers, parts.masks(h)):
-        h = layer(h, mask)
-        mx.eval(h)  # one layer's activations at a time
-    loss = head_loss(parts, h, ids, start, head_chunk)
-    return loss.item(), ids.shape[0] - 1 - start
+    plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
+                     nll_scope=nll_scope)
+    sums = 0
+    for stream in plan.streams:
+        with _positions(parts, stream.runs):
+            h, masks, extras = _embed(parts, stream)
+            kv: dict = {}
+            for i in range(len(parts.layers)):
+                h, produced = _run(parts, i, i + 1, h, masks, extras, kv, None)
+                kv.update(produced)
+                mx.eval(h, produced)  # one layer's activations at a time
+        logp = _head_logp(parts, h, stream, head_chunk)
+        sums = sums + stream.member.T @ logp
+    return plan.loss(sums).item(), plan.weight
 
 
-def _span(example: Example) -> tuple[mx.array, int]:
-    n = len(example.ids)
-    start = max(0, example.prompt_len - 1)
-    if n - 1 - start <= 0:
-        raise StepError(f"example of {n} tokens with prompt_len {example.prompt_len} "
+def supervised_tokens(example) -> int:
+    """Tokens whose log-probs the loss reads (the telemetry's tokens per step)."""
+    if isinstance(example, PreferenceExample):
+        return len(example.chosen) + len(example.rejected)
+    return len(example.ids) - 1 - max(0, example.prompt_len - 1)
+
+
+# ---------------------------------------------------------------- what a step computes
+
+@dataclass
+class Stream:
+    """One token sequence through the layers, and what the head reads from it."""
+    ids: list[int]                      # input tokens
+    rows: list[int]                     # hidden rows the head reads
+    targets: list[int]                  # the token each row predicts
+    member: mx.array                    # [rows, sums]: 1.0 where a row counts toward a sum
+    runs: list | None = None            # RoPE runs [(first, end, position of first)]
+    allowed: Callable | None = None     # (window) -> boolean [L, L] mask; None: causal
+    contiguous: bool = field(init=False)
+
+    def __post_init__(self):
+        r = self.rows
+        self.contiguous = r == list(range(r[0], r[0] + len(r))) if r else True
+
+
+@dataclass
+class Plan:
+    streams: list[Stream]
+    loss: Callable[[mx.array], mx.array]   # sums -> scalar loss
+    weight: int                            # validation weight
+    report: Callable[[mx.array], dict] = lambda sums: {}
+
+
+def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = False,
+              lambda_: float = 0.1, nll_scope: str = "response") -> Plan:
+    if method == "sft":
+        if not isinstance(example, Example):
+            raise StepError(f"method sft takes an Example, got {type(example).__name__}")
+        return _sft_plan(example)
+    if method == "orpo":
+        if not isinstance(example, PreferenceExample):
+            raise StepError(f"method orpo takes a PreferenceExample, got {type(example).__name__}")
+        return _orpo_plan(example, parts, prefix_shared, lambda_, nll_scope)
+    raise StepError(f"unknown method {method!r} (expected sft or orpo)")
+
+
+def _sft_plan(ex: Example) -> Plan:
+    n = len(ex.ids)
+    start = max(0, ex.prompt_len - 1)
+    m = n - 1 - start
+    if m <= 0:
+        raise StepError(f"example of {n} tokens with prompt_len {ex.prompt_len} "
                         "has no response tokens to supervise")
-    return mx.array(example.ids, dtype=mx.int32), start
+    rows = list(range(start, n - 1))
+    stream = Stream(ex.ids[:-1], rows, ex.ids[start + 1:], mx.ones((m, 1)))
+    return Plan([stream], lambda s: -s[0] / m, m)
 
 
-# ---------------------------------------------------------------- the loss head
+def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -> Plan:
+    """ENGINE.md's ORPO. Sums: 0 chosen response, 1 rejected response, 2 the whole
+    chosen sequence (nll_scope full)."""
+    p, c, r = list(ex.prompt), list(ex.chosen), list(ex.rejected)
+    rp = ex.rejected_prompt
+    rp = p if rp is None else list(rp)
+    if not p or not rp:
+        raise StepError("preference example has an empty prompt: the first response token "
+                        "would have nothing to be predicted from")
+    if not c or not r:
+        raise StepError("preference example has an empty "
+                        f"{'chosen' if not c else 'rejected'} response")
+    full = nll_scope == "full"
+    if nll_scope not in ("response", "full"):
+        raise StepError(f"nll_scope must be response or full, got {nll_scope!r}")
+    nc, nr, nf = len(c), len(r), len(p) + len(c) - 1
 
-def head_loss(parts: ModelParts, h: mx.array, ids: mx.array, start: int,
-              chunk: int) -> mx.array:
-    """-(mean log p) of ids[start+1:] from the last hidden states h [1, L-1, D],
-    without gradients (validation); logits exist one chunk at a time."""
-    targets = ids[start + 1:]
-    m = targets.shape[0]
-    total = mx.array(0.0, dtype=mx.float32)
-    for i in range(0, m, chunk):
-        total = total + _chunk_logp(parts, targets[i:i + chunk])(h[0, start + i:start + i + chunk])
-        mx.eval(total)
-    return -total / m
+    def loss(s):
+        lw, lr = s[0] / nc, s[1] / nr
+        log_odds = (lw - lr) - (_log1mexp(lw) - _log1mexp(lr))
+        nll = -s[2] / nf if full else -lw
+        return nll + lambda_ * mx.logaddexp(0.0, -log_odds)
+
+    shared = prefix_shared and rp == p and _has_rope(parts)
+
+    def report(s):
+        lw, lr = (s[0] / nc).item(), (s[1] / nr).item()
+        log_odds = (lw - lr) - (_log1mexp(mx.array(lw)) - _log1mexp(mx.array(lr))).item()
+        return {"margin": lw - lr, "accuracy": float(lw > lr), "log_odds": log_odds,
+                "nll": (-s[2] / nf).item() if full else -lw, "prefix_shared": shared}
+
+    P = len(p)
+    first = 0 if full else P - 1
+    chosen_rows = list(range(first, P + nc - 1))
+    chosen_member = [[float(t >= P - 1), 0.0, float(full)] for t in chosen_rows]
+    if not shared:
+        seq_c, seq_r, R = p + c, rp + r, len(rp)
+        streams = [Stream(seq_c[:-1], chosen_rows, seq_c[first + 1:], mx.array(chosen_member)),
+                   Stream(seq_r[:-1], list(range(R - 1, R + nr - 1)), r,
+                          mx.array([[0.0, 1.0, 0.0]] * nr))]
+        return Plan(streams, loss, 1, report)
+
+    # One pass over [prompt | chosen | rejected]: rejected rows do not see chosen
+    # columns and restart at position P, so each response row sees exactly what
+    # it sees in its own branch. Row P-1 predicts both chosen[0] and rejected[0].
+    seq = p + c + r
+    L = len(seq) - 1
+    rej_rows = [P - 1] + list(range(P + nc, P + nc + nr - 1))
+    runs = [(0, P + nc, 0)] + ([(P + nc, L, P)] if L > P + nc else [])
+    pos = mx.concatenate([mx.arange(P + nc), mx.arange(P, P + L - (P + nc))])
+    idx = mx.arange(L)
+    rej, cho = idx >= P + nc, (idx >= P) & (idx < P + nc)
+
+    def allowed(window):
+        ok = (idx[None, :] <= idx[:, None]) & ~(rej[:, None] & cho[None, :])
+        if window:
+            ok = ok & ((pos[:, None] - pos[None, :]) < window)
+        return ok
+
+    stream = Stream(seq[:-1], chosen_rows + rej_rows, seq[first + 1:P + nc] + r,
+                    mx.array(chosen_member + [[0.0, 1.0, 0.0]] * nr), runs, allowed)
+    return Plan([stream], loss, 1, report)
 
 
-def head_loss_and_grad(parts: ModelParts, h: mx.array, ids: mx.array, start: int,
-                       chunk: int) -> tuple[mx.array, mx.array]:
-    """(loss, d loss / d h) for the last hidden states h [1, L-1, D], bounded.
-
-    The response span is cut into chunks of `chunk` token positions; each chunk's
-    norm -> lm_head -> log-softmax -> target log p runs under its own vjp and is
-    evaluated before the next starts, so [chunk, V] logits (and their cotangent)
-    exist for one chunk at a time. One graph over all chunks is not enough: a
-    GPU queue allocates every chunk's logits before the first is freed. Chunking
-    is over positions, so each position's full-vocab log-sum-exp and gradient are
-    those of the unchunked head; only the loss's float summation order differs.
-    """
-    targets = ids[start + 1:]
-    m = targets.shape[0]
-    cot = mx.array(-1.0 / m, dtype=mx.float32)
-    total = mx.array(0.0, dtype=mx.float32)
-    pieces = [mx.zeros((start, h.shape[-1]), dtype=h.dtype)] if start else []
-    for i in range(0, m, chunk):
-        f = _chunk_logp(parts, targets[i:i + chunk])
-        (logp,), (g,) = mx.vjp(lambda hc: [f(hc)], [h[0, start + i:start + i + chunk]], [cot])
-        total = total + logp
-        mx.eval(total, g)
-        pieces.append(g)
-    return -total / m, mx.concatenate(pieces)[None]
+def _log1mexp(x):
+    return mx.log(mx.maximum(1.0 - mx.exp(x), 1e-7))
 
 
-def _chunk_logp(parts: ModelParts, targets: mx.array):
-    def logp(hc):
-        logits = parts.head(parts.norm(hc)).astype(mx.float32)
-        picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        return mx.sum(picked - mx.logsumexp(logits, axis=-1))
-    return logp
+# ---------------------------------------------------------------- positions and masks
+
+class _RunRope(nn.Module):
+    """A layer's RoPE applied run by run: positions restart where a run says."""
+
+    def __init__(self, rope, runs):
+        super().__init__()
+        # Held as a bound method, not a child module, so the layer's parameter
+        # tree is the same with the wrapper in place.
+        self._rope = rope.__call__
+        self._runs = runs
+
+    def __call__(self, x, offset=0):
+        return mx.concatenate([self._rope(x[..., a:b, :], offset=offset + p)
+                               for a, b, p in self._runs], axis=-2)
 
 
-def _full_head_loss(logits: mx.array, ids: mx.array, start: int) -> mx.array:
-    logits = logits[0, start:].astype(mx.float32)
-    targets = ids[start + 1:]
-    return nn.losses.cross_entropy(logits, targets, reduction="mean")
+def _ropes(layer) -> list:
+    """The modules of a layer that hold its RoPE as `rope`."""
+    return [m for _, m in layer.named_modules() if isinstance(m.get("rope"), nn.Module)]
+
+
+def _has_rope(parts) -> bool:
+    # Positions are set through each attention's `rope`; a family that keeps its
+    # RoPE elsewhere cannot restart the rejected response, so it runs two-branch.
+    return all(_ropes(layer) for layer in parts.layers)
+
+
+@contextmanager
+def _positions(parts, runs):
+    if not runs:
+        yield
+        return
+    holders = [m for layer in parts.layers for m in _ropes(layer)]
+    saved = [m["rope"] for m in holders]
+    try:
+        for m, rope in zip(holders, saved):
+            m.rope = _RunRope(rope, runs)
+        yield
+    finally:
+        for m, rope in zip(holders, saved):
+            m.rope = rope
+
+
+def _embed(parts, stream: Stream):
+    """(h0, per-layer masks, per-layer extra inputs) of a stream."""
+    ids = mx.array(stream.ids, dtype=mx.int32)[None]
+    h = parts.embed(ids)
+    extras = parts.layer_inputs(ids, h)
+    if stream.allowed is None:
+        masks = parts.masks(h)
+    else:
+        built = {}
+        masks = [built.setdefault(w, stream.allowed(w)) for w in parts.windows]
+    return h, masks, extras
+
+
+def _run(parts, lo, hi, h, masks, extras, kv_in, seed):
+    """Layers [lo, hi) on h; returns (h, {donor: (K, V)} for the donors among them).
+    Layer i runs under seed+i (here and in every recompute), so LoRA dropout draws
+    the same masks in each pass."""
+    kv = dict(kv_in)
+    produced = {}
+    for i in range(lo, hi):
+        if seed is not None:
+            mx.random.seed(seed + i)
+        d = parts.donors[i]
+        h, out = parts.call(i, h, masks[i], extras[i], kv[d] if d is not None else None)
+        if i in parts.donors:
+            kv[i] = produced[i] = out
+    return h, produced
 
 
 # ---------------------------------------------------------------- plain / checkpoint
 
-def _plain(model, ids, start, grad_checkpoint, parts, on_phase):
-    if grad_checkpoint:
-        parts = parts or model_parts(model, check=False)
-
+def _plain(model, parts, plan, grad_checkpoint, on_phase):
     def loss_fn(m):
-        if not grad_checkpoint:
-            return _full_head_loss(m(ids[None, :-1]), ids, start)
-        h = parts.embed(ids[None, :-1])
-        for layer, mask in zip(parts.layers, parts.masks(h)):
-            h = _checkpointed(layer)(layer.trainable_parameters(), h, mask)
-        return _full_head_loss(parts.head(parts.norm(h)), ids, start)
+        sums = 0
+        for stream in plan.streams:
+            logits = _logits(m, parts, stream, grad_checkpoint)
+            lg = logits[0][mx.array(stream.rows)].astype(mx.float32)
+            tg = mx.array(stream.targets)[:, None]
+            logp = mx.take_along_axis(lg, tg, axis=-1)[:, 0] - mx.logsumexp(lg, axis=-1)
+            sums = sums + stream.member.T @ logp
+        return plan.loss(sums), sums
 
-    loss, grads = nn.value_and_grad(model, lambda m: loss_fn(m))(model)
-    grads = dict(tree_flatten(grads))
-    mx.eval(loss, grads)
+    # Positions stay set through the backward too: mx.checkpoint reruns the layer
+    # there. Only a single-stream (prefix-shared) plan has runs.
+    runs = next((s.runs for s in plan.streams if s.runs), None)
+    with _positions(parts, runs):
+        (loss, sums), grads = nn.value_and_grad(model, loss_fn)(model)
+        grads = dict(tree_flatten(grads))
+        mx.eval(loss, sums, grads)
     if on_phase:
         on_phase("step")
-    return loss, grads
+    return loss, grads, sums
 
 
-def _checkpointed(layer: nn.Module):
+def _logits(model, parts, stream, grad_checkpoint):
+    if not grad_checkpoint and stream.allowed is None and stream.runs is None:
+        return model(mx.array(stream.ids, dtype=mx.int32)[None])  # the model's own forward
+    h, masks, extras = _embed(parts, stream)
+    kv: dict = {}
+    for i, layer in enumerate(parts.layers):
+        d = parts.donors[i]
+        shared = kv[d] if d is not None else None
+        if grad_checkpoint:
+            h, out = _checkpointed(parts, i, masks[i], extras[i], shared is not None)(
+                layer.trainable_parameters(), h, *(shared or ()))
+        else:
+            h, out = parts.call(i, h, masks[i], extras[i], shared)
+        kv[i] = out
+    return parts.head(parts.norm(h))
+
+
+def _checkpointed(parts, i, mask, extra, has_shared):
     # The layer's trainable parameters go in as explicit inputs so the
     # checkpoint differentiates them; nothing is patched on the class.
-    def run(params, h, mask):
+    layer = parts.layers[i]
+
+    def run(params, h, *shared):
         layer.update(params)
-        return layer(h, mask)
-    return mx.checkpoint(run)
+        h, out = parts.call(i, h, mask, extra, tuple(shared) if has_shared else None)
+        return [h, *(out or ())]
+    ckpt = mx.checkpoint(run)
+
+    def call(params, h, *shared):
+        h, *out = ckpt(params, h, *shared)
+        return h, (tuple(out) or None)
+    return call
 
 
 # ---------------------------------------------------------------- segmented
 
-def _segmented(model, parts, ids, start, segment_size, head_chunk, attn_block, on_phase):
+@dataclass
+class _Forward:
+    masks: list
+    extras: list
+    kv: dict            # donor K/V that later segments read
+    boundaries: list
+
+
+def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phase):
     phase = on_phase or (lambda label: None)
     layers = parts.layers
     segments = plan_segments(len(layers), segment_size)
     names = _trainable_names(model)
     params = [_layer_params(layer, i) for i, layer in enumerate(layers)]
     _check_all_trainables_in_layers(names, params)
-    blocked = 0 < attn_block < ids.shape[0] - 1
-
-    # Forward: keep only the boundaries. A boundary evaluated outside any
-    # transform is a graph-free leaf, so each segment's activations die with it.
-    # Layer i always runs under seed base+i (here and in every recompute), so
-    # LoRA dropout draws the same masks in each pass.
     base_seed = mx.random.randint(0, 2**30, shape=()).item()
-    h = parts.embed(ids[None, :-1])
-    masks = parts.masks(h)
-    mx.eval(h)
-    boundaries = [h]
+    tags = ["", "rejected."] if len(plan.streams) == 2 else [""]
+
+    # Forward every stream, keeping only boundaries (and cross-segment donor K/V),
+    # then the head: each read row's log p and d(log p)/dh, chunk by chunk.
+    forwards, heads = [], []
+    sums = 0
+    for stream, tag in zip(plan.streams, tags):
+        with _positions(parts, stream.runs):
+            fwd = _forward(parts, stream, segments, base_seed, phase, tag)
+        logp, g = _head_pass(parts, fwd.boundaries.pop(), stream, head_chunk)
+        phase(f"{tag}head")
+        forwards.append(fwd)
+        heads.append(g)
+        sums = sums + stream.member.T @ logp
+
+    # The loss is a function of a few sums: its gradient scales each row's g.
+    loss, w = mx.value_and_grad(plan.loss)(sums)
+    mx.eval(loss, w, sums)
+
+    grads: dict = {}
+    for stream, fwd, g, tag in zip(plan.streams, forwards, heads, tags):
+        dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
+        del g
+        blocked = 0 < attn_block < len(stream.ids)
+        with _positions(parts, stream.runs):
+            _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
+                      base_seed, phase, tag)
+    heads.clear()
+    mx.random.seed(base_seed + len(layers))
+    return loss, {n: grads[n] for n in names}, sums
+
+
+def _forward(parts, stream, segments, seed, phase, tag) -> _Forward:
+    # A boundary evaluated outside any transform is a graph-free leaf, so each
+    # segment's activations die with it.
+    h, masks, extras = _embed(parts, stream)
+    mx.eval(h, extras)
+    fwd = _Forward(masks, extras, {}, [h])
     for k, (lo, hi) in enumerate(segments):
-        h = _run_layers(layers, lo, hi, h, masks, base_seed)
-        mx.eval(h)
-        boundaries.append(h)
-        phase(f"fwd{k}")
+        h, produced = _run(parts, lo, hi, h, masks, extras, fwd.kv, seed)
+        for d in _exports(parts, lo, hi):
+            fwd.kv[d] = produced[d]
+        mx.eval(h, fwd.kv)
+        fwd.boundaries.append(h)
+        phase(f"{tag}fwd{k}")
+    return fwd
 
-    # Head: loss and dh, chunk by chunk.
-    loss, dh = head_loss_and_grad(parts, boundaries.pop(), ids, start, head_chunk)
-    phase("head")
 
-    # Backward: recompute each segment under vjp with the incoming cotangent.
-    grads = {}
+def _exports(parts, lo, hi) -> list[int]:
+    """Donors in [lo, hi) read by a layer at or after hi."""
+    return sorted({d for j, d in enumerate(parts.donors) if d is not None and lo <= d < hi <= j})
+
+
+def _imports(parts, lo, hi) -> list[int]:
+    """Donors before lo read by a layer in [lo, hi)."""
+    return sorted({d for d in parts.donors[lo:hi] if d is not None and d < lo})
+
+
+def _head_pass(parts, h, stream: Stream, chunk: int):
+    """(log p [M], d log p / dh [M, D]) of the stream's read rows, `chunk` rows at a
+    time: each chunk's norm -> lm_head -> log-softmax -> target log p runs under its
+    own vjp and is evaluated before the next starts, so [chunk, V] logits (and their
+    cotangent) exist for one chunk at a time. One graph over all chunks is not
+    enough: a GPU queue allocates every chunk's logits before the first is freed."""
+    rows, targets = stream.rows, mx.array(stream.targets, dtype=mx.int32)
+    logps, gs = [], []
+    for i in range(0, len(rows), chunk):
+        if stream.contiguous:
+            hc = h[0, rows[0] + i:rows[0] + i + chunk]
+        else:
+            hc = h[0][mx.array(rows[i:i + chunk])]
+        f = _chunk_logp(parts, targets[i:i + chunk])
+        (lp,), (g,) = mx.vjp(lambda x: [f(x)], [hc], [mx.ones((hc.shape[0],), mx.float32)])
+        mx.eval(lp, g)
+        logps.append(lp)
+        gs.append(g)
+    return mx.concatenate(logps), mx.concatenate(gs)
+
+
+def _head_logp(parts, h, stream: Stream, chunk: int) -> mx.array:
+    rows, targets = mx.array(stream.rows), mx.array(stream.targets, dtype=mx.int32)
+    out = []
+    for i in range(0, len(stream.rows), chunk):
+        out.append(_chunk_logp(parts, targets[i:i + chunk])(h[0][rows[i:i + chunk]]))
+        mx.eval(out[-1])
+    return mx.concatenate(out)
+
+
+def _chunk_logp(parts: ModelParts, targets: mx.array):
+    def logp(hc):
+        logits = parts.head(parts.norm(hc)).astype(mx.float32)
+        picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+        return picked - mx.logsumexp(logits, axis=-1)
+    return logp
+
+
+def _place(stream: Stream, rows_grad: mx.array) -> mx.array:
+    """dh [1, L, D] with each read row's gradient at its row (summed where a row is
+    read twice, as prefix-shared ORPO's row P-1 is)."""
+    L, D = len(stream.ids), rows_grad.shape[-1]
+    if stream.contiguous:
+        lo = stream.rows[0]
+        pieces = [mx.zeros((lo, D), rows_grad.dtype)] if lo else []
+        pieces.append(rows_grad)
+        if lo + len(stream.rows) < L:
+            pieces.append(mx.zeros((L - lo - len(stream.rows), D), rows_grad.dtype))
+        return mx.concatenate(pieces)[None]
+    return mx.zeros((L, D), rows_grad.dtype).at[mx.array(stream.rows)].add(rows_grad)[None]
+
+
+def _backward(parts, fwd, segments, params, dh, grads, block, seed, phase, tag):
+    """Recompute each segment under vjp with the incoming cotangents, last first."""
+    dkv: dict = {}  # donor -> (dK, dV) summed over the sharers seen so far
     for k in reversed(range(len(segments))):
         lo, hi = segments[k]
-        h_in = boundaries.pop()
-        if blocked:
-            dh = _segment_backward_blocked(layers, masks, params, lo, hi, h_in, dh, grads,
-                                           attn_block, base_seed)
+        h_in = fwd.boundaries.pop()
+        if not block:
+            dh = _unit_vjp(parts, fwd, lo, hi, h_in, fwd.kv, dh, dkv, params, grads, seed, 0)
         else:
-            seg = [p for i in range(lo, hi) for p in params[i]]
-
-            def seg_fn(x, *values):
-                _set_params(layers, seg, values)
-                return [_run_layers(layers, lo, hi, x, masks, base_seed)]
-
-            values = [v for _, _, _, v in seg]
-            _, cots = mx.vjp(seg_fn, [h_in, *values], [dh])
-            _set_params(layers, seg, values)  # drop the tracers from the modules
-            dh = cots[0]
-            grads.update((name, g) for (name, _, _, _), g in zip(seg, cots[1:]))
+            # One layer at a time (each with blockwise attention): recompute the
+            # segment's layer inputs and the K/V of its own donors first.
+            xs, kv = [h_in], dict(fwd.kv)
+            for i in range(lo, hi - 1):
+                h, produced = _run(parts, i, i + 1, xs[-1], fwd.masks, fwd.extras, kv, seed)
+                kv.update(produced)
+                mx.eval(h, produced)
+                xs.append(h)
+            for i in reversed(range(lo, hi)):
+                dh = _unit_vjp(parts, fwd, i, i + 1, xs.pop(), kv, dh, dkv, params, grads,
+                               seed, block)
         if k == 0:
             dh = None  # no LoRA on the embedding
-        mx.eval(dh, [grads[name] for i in range(lo, hi) for name, _, _, _ in params[i]])
-        phase(f"bwd{k}")
-    mx.random.seed(base_seed + len(layers))
-    return loss, {n: grads[n] for n in names}
+        mx.eval(dh, dkv, [grads[name] for i in range(lo, hi) for name, _, _, _ in params[i]])
+        phase(f"{tag}bwd{k}")
 
 
-def _segment_backward_blocked(layers, masks, params, lo, hi, h_in, dh, grads, block, base_seed):
-    """A segment's backward one layer at a time, each with blockwise attention."""
-    from .attention import layer_vjp
+def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block):
+    """vjp of layers [lo, hi): inputs h and the donor K/V they import, outputs h and
+    the K/V of their donors that later layers read (cotangents waiting in dkv)."""
+    imports, exports = _imports(parts, lo, hi), [d for d in range(lo, hi) if d in dkv]
+    seg = [p for i in range(lo, hi) for p in params[i]]
+    values = [v for _, _, _, v in seg]
+    n_in = 2 * len(imports)
 
-    xs = [h_in]  # inputs of the segment's layers, recomputed (segment-sized memory)
-    for i in range(lo, hi - 1):
-        xs.append(_run_layers(layers, i, i + 1, xs[-1], masks, base_seed))
-        mx.eval(xs[-1])
-    for i in reversed(range(lo, hi)):
-        p = params[i]
-        values = [v for _, _, _, v in p]
-        dh, gs = layer_vjp(layers[i], masks[i], xs.pop(), values, dh,
-                           lambda vals, p=p: _set_params(layers, p, vals), block, base_seed + i)
-        _set_params(layers, p, values)
-        grads.update((name, g) for (name, _, _, _), g in zip(p, gs))
-        mx.eval(dh, list(gs))
-    return dh
+    def fn(x, *flat):
+        kv_in = {d: (flat[2 * a], flat[2 * a + 1]) for a, d in enumerate(imports)}
+        _set_params(parts.layers, seg, flat[n_in:])
+        h, produced = _run(parts, lo, hi, x, fwd.masks, fwd.extras, kv_in, seed)
+        return [h, *[t for d in exports for t in produced[d]]]
 
-
-def _run_layers(layers, lo, hi, h, masks, base_seed):
-    for i in range(lo, hi):
-        mx.random.seed(base_seed + i)
-        h = layers[i](h, masks[i])
-    return h
+    primals = [h_in, *[t for d in imports for t in kv[d]], *values]
+    cotangents = [dh, *[t for d in exports for t in dkv.pop(d)]]
+    if block:
+        from .attention import layer_vjp
+        cots = layer_vjp(parts.layers[lo], fn, primals, cotangents, block)
+    else:
+        _, cots = mx.vjp(fn, primals, cotangents)
+    _set_params(parts.layers, seg, values)  # drop the tracers from the modules
+    for a, d in enumerate(imports):
+        got = (cots[1 + 2 * a], cots[2 + 2 * a])
+        dkv[d] = got if d not in dkv else (dkv[d][0] + got[0], dkv[d][1] + got[1])
+    for (name, _, _, _), g in zip(seg, cots[1 + n_in:]):
+        grads[name] = grads[name] + g if name in grads else g
+    return cots[0]
 
 
 def _trainable_names(model) -> list[str]:

@@ -25,7 +25,7 @@ from schemas.job import JobSpec
 from .data import DataError, Dataset, epoch_order, load_dataset
 from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
-from .step import StepError, eval_loss, loss_and_grads
+from .step import StepError, eval_loss, loss_and_grads, supervised_tokens
 
 Emit = Callable[[ev.Event], None]
 GB = 1e9
@@ -57,7 +57,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     # --- inputs, all checked before the first byte is written
     model, tokenizer = load_model(job.model)
     d = job.data
-    opts = dict(mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length, overlong=d.overlong)
+    opts = dict(method=job.method, mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length,
+                overlong=d.overlong)
     train_set = load_dataset(d.train, tokenizer, **opts)
     valid_set = load_dataset(d.valid, tokenizer, **opts) if d.valid else None
     mx.random.seed(job.train.seed)
@@ -85,6 +86,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   trainable_params=n_trainable))
 
     budget = job.memory.budget_gb
+    method = method_options(job)
     t_run = time.perf_counter()
     loss = val = None
     model.train()
@@ -105,11 +107,12 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         mx.clear_cache()
         mx.reset_peak_memory()
         tic = time.perf_counter()
+        metrics: dict = {}
         loss, grads = loss_and_grads(model, example, segment_size=seg,
                                      head_chunk=job.memory.head_chunk,
                                      attn_block=job.memory.attn_block,
                                      grad_checkpoint=job.memory.grad_checkpoint,
-                                     parts=parts, on_phase=on_phase)
+                                     parts=parts, on_phase=on_phase, metrics=metrics, **method)
         grad_norm = apply_grads(model, optimizer, grads, job.train.grad_clip)
         mx.eval(loss, grad_norm, model.trainable_parameters(), optimizer.state)
         seconds = time.perf_counter() - tic
@@ -117,11 +120,13 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         loss = loss.item()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
-        tokens = len(example.ids) - 1 - max(0, example.prompt_len - 1)
+        tokens = supervised_tokens(example)
         emit(ev.Step(time=clock(), step=step, loss=loss, tokens=tokens, seconds=seconds,
                      tokens_per_s=tokens / seconds, lr=float(optimizer.learning_rate.item()),
                      grad_norm=grad_norm.item(), peak_gb=mx.get_peak_memory() / GB,
-                     active_gb=mx.get_active_memory() / GB, cache_gb=mx.get_cache_memory() / GB))
+                     active_gb=mx.get_active_memory() / GB, cache_gb=mx.get_cache_memory() / GB,
+                     margin=metrics.get("margin"), accuracy=metrics.get("accuracy"),
+                     prefix_shared=metrics.get("prefix_shared")))
         if job.telemetry.phases:
             emit(ev.Phase(time=clock(), step=step, phases=phases))
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
@@ -171,6 +176,15 @@ def run_reported(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: N
     return ev.EXIT_OK, ""
 
 
+def method_options(job: JobSpec) -> dict:
+    """The loss_and_grads / eval_loss keywords that the job's method sets."""
+    if job.method == "orpo":
+        o = job.orpo
+        return dict(method="orpo", lambda_=o.lambda_, nll_scope=o.nll_scope,
+                    prefix_shared=o.prefix_shared)
+    return dict(method="sft")
+
+
 def example_at(ds: Dataset, seed: int, position: int):
     """The example at a global position (steps so far): epochs reshuffle by seed."""
     n = len(ds)
@@ -184,7 +198,8 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
     model.eval()
     total = tokens = 0
     for ex in rows:
-        loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk, parts=parts)
+        loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk, parts=parts,
+                            **method_options(job))
         total, tokens = total + loss * n, tokens + n
     model.train()
     val = total / tokens

@@ -43,18 +43,24 @@ def main():
 
 @main.command("init-demo")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(["llama", "qwen3", "minicpm"]), default="qwen3",
-              show_default=True, help="mlx-lm architecture of the demo model")
+@click.option("--arch", type=click.Choice(["llama", "qwen3", "minicpm", "gemma4_text"]),
+              default="qwen3", show_default=True,
+              help="mlx-lm architecture of the demo model (gemma4_text: sliding and full "
+                   "attention layers, later layers sharing earlier layers' K/V)")
+@click.option("--method", type=click.Choice(["sft", "orpo"]), default="sft", show_default=True,
+              help="sft: prompt/completion rows; orpo: prompt/chosen/rejected rows and an "
+                   "orpo: section in job.yaml")
 @click.option("--seed", default=0, show_default=True, help="seed for weights and data")
-def init_demo(directory: Path, arch: str, seed: int):
-    """Write a small random-initialised model (Hugging Face layout), a synthetic SFT
-    data set it visibly learns, and DIRECTORY/job.yaml. Nothing is downloaded."""
+def init_demo(directory: Path, arch: str, method: str, seed: int):
+    """Write a small random-initialised model (Hugging Face layout), a synthetic
+    data set it visibly learns, DIRECTORY/job.yaml and DIRECTORY/sweep.yaml.
+    Nothing is downloaded."""
     from engine.demo import write_demo
     try:
-        job = write_demo(directory, arch, seed=seed)
+        job = write_demo(directory, arch, seed=seed, method=method)
     except FileExistsError as e:
         _fail(str(e))
-    click.echo(f"wrote {directory}/ (model/, data/, job.yaml)\nnext: segctl train {job}")
+    click.echo(f"wrote {directory}/ (model/, data/, job.yaml, sweep.yaml)\nnext: segctl train {job}")
 
 
 @main.command()

@@ -171,9 +171,28 @@ def longest_row(job: JobSpec) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{folder}: cannot load tokenizer: {msg}") from None
     d = job.data
-    opts = dict(mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length, overlong=d.overlong)
-    return max(len(ex.ids) for path in (d.train, d.valid) if path
+    opts = dict(method=job.method, mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length,
+                overlong=d.overlong)
+    return max(row_tokens(ex, job) for path in (d.train, d.valid) if path
                for ex in load_dataset(path, tokenizer, **opts).examples)
+
+
+def row_tokens(example, job: JobSpec) -> int:
+    """The longest sequence one row puts through the layers: SFT its tokens; ORPO
+    prefix-shared prompt + chosen + rejected, two-branch the longer branch."""
+    if job.method != "orpo":
+        return len(example.ids)
+    p, c, r = len(example.prompt), len(example.chosen), len(example.rejected)
+    if job.orpo.prefix_shared and example.rejected_prompt is None:
+        return p + c + r
+    return max(p + c, len(example.rejected_prompt or example.prompt) + r)
+
+
+def method_key(job: JobSpec) -> str:
+    """What the estimate needs of the method: sft, orpo (two branches) or orpo-shared."""
+    if job.method == "orpo":
+        return "orpo-shared" if job.orpo.prefix_shared else "orpo"
+    return "sft"
 
 
 # ---------------------------------------------------------------- the estimate
@@ -201,8 +220,9 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
            head_chunk: int, attn_block: int, grad_checkpoint: bool, method: str) -> list[float]:
     """Predicted GB for segment sizes 1..top (index s-1), each at least the one
     before; [plain] when top is 0."""
-    if method != "sft":
-        raise ValueError(f"method {method!r}: the planner knows sft only")
+    streams = {"sft": 1, "orpo-shared": 1, "orpo": 2}.get(method)
+    if streams is None:
+        raise ValueError(f"method {method!r}: expected sft, orpo or orpo-shared")
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     n_lora = info.n_layers if lora_layers < 0 else min(lora_layers, info.n_layers)
@@ -212,7 +232,8 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
 
     def worst(s):
         return max(_peak_bytes(info, L, s, lora_rank, n_lora, head_chunk, attn_block,
-                               grad_checkpoint) for L in lengths) / GB
+                               grad_checkpoint, streams, method == "orpo-shared")
+                   for L in lengths) / GB
 
     if top == 0:
         return [worst(0)]
@@ -239,8 +260,14 @@ def _lora_params(info: ModelInfo, rank: int, n_layers: int) -> int:
 
 
 def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_chunk: int,
-                attn_block: int, grad_checkpoint: bool) -> float:
-    """Peak bytes of one step on a row of L tokens at segment size s (0: plain)."""
+                attn_block: int, grad_checkpoint: bool, streams: int = 1,
+                shared_mask: bool = False) -> float:
+    """Peak bytes of one step on a row of L tokens at segment size s (0: plain).
+
+    ORPO two-branch (streams 2) keeps both branches' boundaries, dh and head
+    gradients through the step (plain: both forwards' activations), with each
+    segment's transients one branch at a time. Prefix-shared ORPO is one stream
+    of L = P + C + R tokens plus its boolean block masks, one per window kind."""
     n = info.n_layers
     # Bytes per activation entry. Half precision costs more than its 2 bytes:
     # MLX's softmax runs in fp32 and CPU matmuls go through fp32 copies.
@@ -263,6 +290,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # The loss head per (token, vocab) entry: fp32 logits, exp and cotangent; a
     # half-precision model also holds the logits and their cotangent in its dtype.
     head_entry = HEAD_COPIES * F32 + (2 * info.act_bytes if info.act_bytes < F32 else 0)
+    masks = 2 * L * L if shared_mask else 0  # bool [L, L]: full and sliding kinds
 
     if s == 0:
         # Plain autodiff: every layer's activations (grad_checkpoint: every layer's
@@ -270,12 +298,13 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # or one layer's backward on top.
         head = L * info.vocab * (head_entry + PLAIN_HEAD_EXTRA * F32)
         kept = n * hidden_state + layer_saved if grad_checkpoint else n * layer_saved
-        return resident + 2 * hidden_state + kept + max(head, layer_backward)
+        return (resident + masks + streams * (2 * hidden_state + kept)
+                + max(streams * head, layer_backward))
 
     # Segmented: the n/s + 1 boundaries, dh and the head's pieces of it live
     # through the step; on top of them the largest of one layer's forward, one
     # head chunk, and one segment's backward.
-    boundaries = (math.ceil(n / s) + 3) * hidden_state
+    boundaries = streams * (math.ceil(n / s) + 3) * hidden_state
     head = min(head_chunk, L) * info.vocab * head_entry
     if 0 < attn_block < L - 1:
         # Blocked attention backward: the segment's layer inputs are kept, then one
@@ -288,7 +317,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     else:
         # The segment's s layers under one vjp, then the backward of each.
         segment = s * layer_saved + layer_backward
-    return resident + boundaries + max(layer_forward, head, segment)
+    return resident + masks + boundaries + max(layer_forward, head, segment)
 
 
 # ---------------------------------------------------------------- the decision
@@ -304,7 +333,7 @@ def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float, margi
     def curve(top: int) -> list[float]:
         return [scale * gb for gb in _curve(
             info, seq_len, top, job.lora.rank, job.lora.num_layers, mem.head_chunk,
-            mem.attn_block, mem.grad_checkpoint, job.method)]
+            mem.attn_block, mem.grad_checkpoint, method_key(job))]
 
     def predicted(size: int) -> float:
         return curve(min(size, info.n_layers))[-1]

@@ -41,6 +41,11 @@ class Step(Event):
     peak_gb: float                 # since mx.reset_peak_memory() at step start
     active_gb: float
     cache_gb: float
+    # ORPO only (None for sft). lw, lr: length-normalised mean log p of the chosen and
+    # rejected responses.
+    margin: Optional[float] = None         # lw - lr
+    accuracy: Optional[float] = None       # 1.0 if lw > lr else 0.0
+    prefix_shared: Optional[bool] = None   # False: the row fell back to two branches
 
 
 class Phase(Event):

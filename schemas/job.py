@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 from .yamlspec import load_yaml, validate
 
@@ -76,9 +77,25 @@ class TelemetrySpec(Strict):
     phases: bool = Field(False, description="emit the peak after each phase of the segmented step")
 
 
+class OrpoSpec(Strict):
+    # `lambda` is a Python keyword: the field is lambda_, written `lambda:` in YAML and dumps
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
+
+    lambda_: float = Field(0.1, alias="lambda", ge=0,
+                           description="weight of the odds-ratio term: loss = nll + lambda * "
+                                       "softplus(-log_odds)")
+    nll_scope: Literal["response", "full"] = Field(
+        "response", description="response = -mean log p of the chosen response; full = mean over "
+                                "the prompt and chosen tokens of the chosen sequence")
+    prefix_shared: bool = Field(True, description="one forward over [prompt | chosen | rejected] "
+                                                  "instead of a chosen and a rejected branch")
+
+
 class JobSpec(Strict):
     name: str = "job"
-    method: Literal["sft"] = "sft"
+    method: Literal["sft", "orpo"] = Field("sft", description="sft: rows of text / prompt+completion / "
+                                                              "messages; orpo: prompt+chosen+rejected")
     model: str = Field(description="local Hugging Face model folder")
     output: Optional[str] = Field(None, description="folder the adapter lands in (segctl train "
                                                     "needs it; a sweep's trials land in the stores)")
@@ -87,6 +104,23 @@ class JobSpec(Strict):
     train: TrainSpec
     memory: MemorySpec = MemorySpec()
     telemetry: TelemetrySpec = TelemetrySpec()
+    orpo: OrpoSpec = OrpoSpec()
+
+    @field_validator("orpo")
+    @classmethod
+    def _orpo_needs_orpo(cls, v, info: ValidationInfo):
+        # runs only when the key was given (defaults are not validated)
+        if info.data.get("method", "orpo") != "orpo":
+            raise ValueError("only used with method: orpo")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # An sft job's dump has no orpo section, so it validates again (and reads as before).
+        d = handler(self)
+        if self.method != "orpo" and isinstance(d, dict):
+            d.pop("orpo", None)
+        return d
 
     @model_validator(mode="after")
     def _modes(self):

@@ -27,6 +27,9 @@ STEPS = pa.schema([
     ("active_gb", pa.float64()),
     ("cache_gb", pa.float64()),
     ("time", pa.float64()),
+    ("margin", pa.float64()),         # ORPO only, else null: chosen minus rejected mean log p
+    ("accuracy", pa.float64()),       # ORPO only: 1.0 when chosen beat rejected
+    ("prefix_shared", pa.bool_()),    # ORPO only: false = the step ran two branches
 ])
 
 # One row per evaluation (the engine's `eval` event).

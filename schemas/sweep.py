@@ -125,7 +125,7 @@ def job_keys(model: type[BaseModel] = JobSpec, prefix: str = "") -> list[str]:
     """Every dotted key of a job leaf value: 'model', 'train.learning_rate', ..."""
     keys = []
     for name, field in model.model_fields.items():
-        sub = field.annotation
+        sub, name = field.annotation, field.alias or name  # as written in YAML: orpo.lambda
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             keys += job_keys(sub, f"{prefix}{name}.")
         else:
@@ -429,5 +429,6 @@ def _as_trained(value, job: JobSpec, key: str):
         return value
     trained: Any = job
     for part in key.split("."):
-        trained = getattr(trained, part)
+        fields = type(trained).model_fields
+        trained = getattr(trained, next((n for n, f in fields.items() if f.alias == part), part))
     return trained if isinstance(trained, (int, float)) and not isinstance(trained, bool) else value

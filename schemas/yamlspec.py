@@ -120,14 +120,16 @@ def _line_of(node, loc) -> int:
 
 
 def _fields_at(model: type[BaseModel], loc) -> list[str]:
+    """The keys a YAML mapping at `loc` may have: a field's alias where it has one
+    (`lambda`, not the Python name `lambda_`)."""
     for part in loc:
-        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
-        sub = getattr(field, "annotation", None) if field else None
-        sub = _model_in(sub)
+        fields = model.model_fields if isinstance(model, type) else {}
+        field = next((f for name, f in fields.items() if str(part) in (name, f.alias)), None)
+        sub = _model_in(getattr(field, "annotation", None)) if field else None
         if sub is None:
             return []
         model = sub
-    return list(model.model_fields)
+    return [f.alias or name for name, f in model.model_fields.items()]
 
 
 def _model_in(annotation):

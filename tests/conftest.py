@@ -69,7 +69,8 @@ def demo_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """arch -> folder of a 5-layer random model in Hugging Face layout."""
+    """arch -> folder of a 5-layer random model in Hugging Face layout (gemma4_text: 6
+    layers, layers 3 and 5 reading layer 1's K/V and layer 4 layer 2's)."""
     from engine.demo import demo_examples, write_model
     corpus = [f"{r['prompt']} {r['completion']}" for r in demo_examples(200, 1)]
     out = {}
@@ -78,4 +79,6 @@ def tiny_models(tmp_path_factory):
                   "sliding_window": 8} if arch == "llama" else None)
         out[arch] = write_model(tmp_path_factory.mktemp(arch) / "model", arch, corpus=corpus,
                                 seed=3, layers=5, hidden=64, extra_config=extra)
+    out["gemma4_text"] = write_model(tmp_path_factory.mktemp("gemma4") / "model", "gemma4_text",
+                                     corpus=corpus, seed=3, layers=6, hidden=64)
     return out
