@@ -68,8 +68,11 @@ GEMMA4_COMPARE = [
 PLANS = {
     "cpu-orpo": [dict(CPU, seq=1024, **c) for c in ORPO_COMPARE + ORPO_PLAIN],
     "cpu-gemma4": [dict(GEMMA4_CPU, seq=1024, **c) for c in GEMMA4_COMPARE],
-    "h200-orpo": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192) for c in ORPO_COMPARE],
-    "h200-gemma4": [dict(GEMMA4_E2B, seq=seq, **c) for seq in (2048, 8192) for c in GEMMA4_COMPARE],
+    # (mlx-lm-lora plain and segment size 2 two-branch are in h200-orpo-v0-densemask.jsonl)
+    "h200-orpo": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192)
+                  for c in ORPO_COMPARE[1:4] + ORPO_COMPARE[5:]],
+    "h200-gemma4": [dict(GEMMA4_E2B, seq=seq, **c) for seq in (2048, 8192)
+                    for c in GEMMA4_COMPARE[:4]],
     "cpu": [dict(CPU, seq=1024, **c) for c in COMPARE + BLOCKED[2:4]],
     # the job defaults (segment_size 1, head_chunk 512, attn_block 2048) vs mlx-lm
     "h200-default": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192, 16384)

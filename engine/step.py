@@ -36,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .data import Example, PreferenceExample
 from .model import ModelParts, model_parts
 
@@ -91,7 +92,7 @@ def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int
                      nll_scope=nll_scope)
     sums = 0
     for stream in plan.streams:
-        with _positions(parts, stream.runs):
+        with _positions(parts, stream):
             h, masks, extras = _embed(parts, stream)
             kv: dict = {}
             for i in range(len(parts.layers)):
@@ -120,7 +121,7 @@ class Stream:
     targets: list[int]                  # the token each row predicts
     member: mx.array                    # [rows, sums]: 1.0 where a row counts toward a sum
     runs: list | None = None            # RoPE runs [(first, end, position of first)]
-    allowed: Callable | None = None     # (window) -> boolean [L, L] mask; None: causal
+    block: tuple | None = None          # prefix-shared: (prompt length, first rejected row)
     contiguous: bool = field(init=False)
 
     def __post_init__(self):
@@ -210,18 +211,8 @@ def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) 
     L = len(seq) - 1
     rej_rows = [P - 1] + list(range(P + nc, P + nc + nr - 1))
     runs = [(0, P + nc, 0)] + ([(P + nc, L, P)] if L > P + nc else [])
-    pos = mx.concatenate([mx.arange(P + nc), mx.arange(P, P + L - (P + nc))])
-    idx = mx.arange(L)
-    rej, cho = idx >= P + nc, (idx >= P) & (idx < P + nc)
-
-    def allowed(window):
-        ok = (idx[None, :] <= idx[:, None]) & ~(rej[:, None] & cho[None, :])
-        if window:
-            ok = ok & ((pos[:, None] - pos[None, :]) < window)
-        return ok
-
     stream = Stream(seq[:-1], chosen_rows + rej_rows, seq[first + 1:P + nc] + r,
-                    mx.array(chosen_member + [[0.0, 1.0, 0.0]] * nr), runs, allowed)
+                    mx.array(chosen_member + [[0.0, 1.0, 0.0]] * nr), runs, (P, P + nc))
     return Plan([stream], loss, 1, report)
 
 
@@ -258,16 +249,19 @@ def _has_rope(parts) -> bool:
 
 
 @contextmanager
-def _positions(parts, runs):
-    if not runs:
+def _positions(parts, stream: Stream):
+    """Within the block, a prefix-shared stream's positions and block masks hold:
+    each rope runs run by run, and attention takes `BlockMask`s."""
+    if not stream.runs:
         yield
         return
     holders = [m for layer in parts.layers for m in _ropes(layer)]
     saved = [m["rope"] for m in holders]
     try:
         for m, rope in zip(holders, saved):
-            m.rope = _RunRope(rope, runs)
-        yield
+            m.rope = _RunRope(rope, stream.runs)
+        with swapped_sdpa(parts.layers, block_mask_sdpa):
+            yield
     finally:
         for m, rope in zip(holders, saved):
             m.rope = rope
@@ -278,11 +272,10 @@ def _embed(parts, stream: Stream):
     ids = mx.array(stream.ids, dtype=mx.int32)[None]
     h = parts.embed(ids)
     extras = parts.layer_inputs(ids, h)
-    if stream.allowed is None:
+    if stream.block is None:
         masks = parts.masks(h)
     else:
-        built = {}
-        masks = [built.setdefault(w, stream.allowed(w)) for w in parts.windows]
+        masks = [BlockMask(*stream.block, window=w) for w in parts.windows]
     return h, masks, extras
 
 
@@ -317,8 +310,8 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
 
     # Positions stay set through the backward too: mx.checkpoint reruns the layer
     # there. Only a single-stream (prefix-shared) plan has runs.
-    runs = next((s.runs for s in plan.streams if s.runs), None)
-    with _positions(parts, runs):
+    shared = next((s for s in plan.streams if s.runs), plan.streams[0])
+    with _positions(parts, shared):
         (loss, sums), grads = nn.value_and_grad(model, loss_fn)(model)
         grads = dict(tree_flatten(grads))
         mx.eval(loss, sums, grads)
@@ -328,7 +321,7 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
 
 
 def _logits(model, parts, stream, grad_checkpoint):
-    if not grad_checkpoint and stream.allowed is None and stream.runs is None:
+    if not grad_checkpoint and stream.block is None:
         return model(mx.array(stream.ids, dtype=mx.int32)[None])  # the model's own forward
     h, masks, extras = _embed(parts, stream)
     kv: dict = {}
@@ -386,7 +379,7 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phas
     forwards, heads = [], []
     sums = 0
     for stream, tag in zip(plan.streams, tags):
-        with _positions(parts, stream.runs):
+        with _positions(parts, stream):
             fwd = _forward(parts, stream, segments, base_seed, phase, tag)
         logp, g = _head_pass(parts, fwd.boundaries.pop(), stream, head_chunk)
         phase(f"{tag}head")
@@ -403,7 +396,7 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phas
         dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
         del g
         blocked = 0 < attn_block < len(stream.ids)
-        with _positions(parts, stream.runs):
+        with _positions(parts, stream):
             _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                       base_seed, phase, tag)
     heads.clear()

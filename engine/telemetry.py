@@ -61,7 +61,9 @@ class ProgressBar:
         elif isinstance(event, ev.Step) and self.progress:
             self.progress.update(self.task, completed=event.step,
                                  info=f"loss {event.loss:.3f}  peak {event.peak_gb:.2f} GB  "
-                                      f"{event.tokens_per_s:.0f} tok/s")
+                                      f"{event.tokens_per_s:.0f} tok/s"
+                                      + (f"  margin {event.margin:+.2f}"
+                                         if event.margin is not None else ""))
         elif isinstance(event, ev.Eval):
             self._print(f"step {event.step}: val_loss {event.val_loss:.3f}")
         elif isinstance(event, ev.Checkpoint):

@@ -232,7 +232,7 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
 
     def worst(s):
         return max(_peak_bytes(info, L, s, lora_rank, n_lora, head_chunk, attn_block,
-                               grad_checkpoint, streams, method == "orpo-shared")
+                               grad_checkpoint, streams)
                    for L in lengths) / GB
 
     if top == 0:
@@ -260,14 +260,13 @@ def _lora_params(info: ModelInfo, rank: int, n_layers: int) -> int:
 
 
 def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_chunk: int,
-                attn_block: int, grad_checkpoint: bool, streams: int = 1,
-                shared_mask: bool = False) -> float:
+                attn_block: int, grad_checkpoint: bool, streams: int = 1) -> float:
     """Peak bytes of one step on a row of L tokens at segment size s (0: plain).
 
     ORPO two-branch (streams 2) keeps both branches' boundaries, dh and head
     gradients through the step (plain: both forwards' activations), with each
     segment's transients one branch at a time. Prefix-shared ORPO is one stream
-    of L = P + C + R tokens plus its boolean block masks, one per window kind."""
+    of L = P + C + R tokens (its attention, two causal calls, is less than L's)."""
     n = info.n_layers
     # Bytes per activation entry. Half precision costs more than its 2 bytes:
     # MLX's softmax runs in fp32 and CPU matmuls go through fp32 copies.
@@ -290,7 +289,6 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # The loss head per (token, vocab) entry: fp32 logits, exp and cotangent; a
     # half-precision model also holds the logits and their cotangent in its dtype.
     head_entry = HEAD_COPIES * F32 + (2 * info.act_bytes if info.act_bytes < F32 else 0)
-    masks = 2 * L * L if shared_mask else 0  # bool [L, L]: full and sliding kinds
 
     if s == 0:
         # Plain autodiff: every layer's activations (grad_checkpoint: every layer's
@@ -298,7 +296,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # or one layer's backward on top.
         head = L * info.vocab * (head_entry + PLAIN_HEAD_EXTRA * F32)
         kept = n * hidden_state + layer_saved if grad_checkpoint else n * layer_saved
-        return (resident + masks + streams * (2 * hidden_state + kept)
+        return (resident + streams * (2 * hidden_state + kept)
                 + max(streams * head, layer_backward))
 
     # Segmented: the n/s + 1 boundaries, dh and the head's pieces of it live
@@ -317,7 +315,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     else:
         # The segment's s layers under one vjp, then the backward of each.
         segment = s * layer_saved + layer_backward
-    return resident + masks + boundaries + max(layer_forward, head, segment)
+    return resident + boundaries + max(layer_forward, head, segment)
 
 
 # ---------------------------------------------------------------- the decision

@@ -92,7 +92,12 @@ def engine_line(e: dict) -> str:
     kind = e.get("event")
     when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
     if kind == "step":
-        return (f"{when}   step {e['step']}: loss {e['loss']:.4f}, {e['tokens_per_s']:.0f} tok/s, "
+        orpo = ""
+        if e.get("margin") is not None:  # ORPO: reward margin, accuracy, which way it ran
+            orpo = (f", margin {e['margin']:+.3f}, acc {e['accuracy']:.0f}"
+                    + ("" if e.get("prefix_shared") else ", two-branch"))
+        return (f"{when}   step {e['step']}: loss {e['loss']:.4f}{orpo}, "
+                f"{e['tokens_per_s']:.0f} tok/s, "
                 f"peak {e['peak_gb']:.3f} GB (active {e['active_gb']:.3f}, cache {e['cache_gb']:.3f})")
     if kind == "eval":
         return f"{when}   eval at step {e['step']}: val loss {e['val_loss']:.4f}"

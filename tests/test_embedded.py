@@ -46,6 +46,30 @@ def test_submit_a_job_on_this_machine_then_status_logs_and_down(demo_dir, tmp_pa
                          "checkpoint at step 3", "RUNNING -> SUCCEEDED"):
             assert fragment in logs.stdout, (fragment, logs.stdout)
         assert (home / "state.db").exists() and (home / "adapters.zarr").exists()
+
+        # ORPO jobs go through the same fleet unchanged: a Gemma-4 preference sweep
+        # over orpo.lambda on the running one-node fleet.
+        orpo = tmp_path / "orpo"
+        assert segctl("init-demo", orpo, "--arch", "gemma4_text", "--method", "orpo").returncode == 0
+        sweep = {"name": "orpo", "base": "job.yaml", "grid": {
+            "orpo.lambda": [0.1, 0.5], "train.iters": [4], "train.eval_every": [2],
+            "train.checkpoint_every": [2], "memory.segment_size": ["auto"]}}
+        (orpo / "orpo.yaml").write_text(yaml.safe_dump(sweep))
+        proc = segctl("submit", orpo / "orpo.yaml", env=env, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sweeps = {s["sweep"]: s for s in json.loads(segctl("status", "--json", env=env).stdout)}
+        trials = sweeps["orpo-1"]["trials"]
+        assert [t["state"] for t in trials] == ["SUCCEEDED", "SUCCEEDED"], trials
+        import pyarrow.dataset as ds
+        steps = ds.dataset(home / "telemetry" / "steps", partitioning="hive").to_table(
+            filter=ds.field("sweep") == "orpo-1").to_pylist()
+        assert len(steps) == 8
+        assert all(r["margin"] is not None and r["prefix_shared"] for r in steps)
+        out = tmp_path / "best"
+        assert segctl("gather", "orpo-1", "--out", out, "--best", "1", env=env).returncode == 0
+        from mlx_lm import load
+        [folder] = [p for p in out.iterdir() if p.is_dir()]
+        load(str(orpo / "model"), adapter_path=str(folder))
     finally:
         info = json.loads((home / "fleet.json").read_text()) if (home / "fleet.json").exists() else {}
         down = segctl("cluster", "down", env=env)
