@@ -53,8 +53,25 @@ def test_prediction_orders_the_modes():
     assert plain > ckpt > seg1 > QWEN3_06B.weight_bytes / 1e9
     assert predict_gb(QWEN3_06B, segment_size=1, lora_rank=64, **at) > seg1
     assert predict_gb(QWEN3_06B, segment_size=1, lora_layers=4, **at) < seg1
-    with pytest.raises(ValueError, match="sft"):
-        predict_gb(QWEN3_06B, segment_size=1, method="orpo", **at)
+    # ORPO two-branch keeps two branches' boundaries: more than SFT on one branch;
+    # prefix-shared is one sequence of P + 2R tokens.
+    assert predict_gb(QWEN3_06B, segment_size=1, method="orpo", **at) > seg1
+    assert predict_gb(QWEN3_06B, segment_size=1, method="orpo-shared", **at) == seg1
+    with pytest.raises(ValueError, match="orpo-shared"):
+        predict_gb(QWEN3_06B, segment_size=1, method="dpo", **at)
+
+
+def test_orpo_rows_are_planned_at_their_longest_sequence(tmp_path):
+    from engine.data import PreferenceExample
+    from engine.demo import write_demo
+    from orchestrator.planner import longest_row, method_key, row_tokens
+    from schemas.job import load_job
+    job = load_job(write_demo(tmp_path / "d", "qwen3", method="orpo", n_train=20, n_valid=4))
+    shared = longest_row(job)
+    two = longest_row(job.model_copy(update={"orpo": job.orpo.model_copy(
+        update={"prefix_shared": False})}))
+    assert method_key(job) == "orpo-shared" and shared > two
+    assert row_tokens(PreferenceExample([1] * 10, [2] * 4, [3] * 6), job) == 20
 
 
 # ---------------------------------------------------------------- plan
