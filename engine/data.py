@@ -163,14 +163,16 @@ def load_preferences(path: str | Path, tokenizer, *, max_seq_length: int = 2048,
     ds = Dataset([], path=str(path))
     for where, row in _rows(path):
         ex = encode_preference(row, tokenizer, where)
-        room = max_seq_length - len(ex.prompt)
-        if len(ex.chosen) > room or len(ex.rejected) > room:
+        room_c = max_seq_length - len(ex.prompt)
+        room_r = max_seq_length - len(ex.rejected_prompt or ex.prompt)
+        if len(ex.chosen) > room_c or len(ex.rejected) > room_r:
             if overlong == "skip":
                 ds.skipped += 1
                 continue
-            ex = PreferenceExample(ex.prompt, ex.chosen[:max(room, 0)], ex.rejected[:max(room, 0)])
+            ex = PreferenceExample(ex.prompt, ex.chosen[:max(room_c, 0)],
+                                   ex.rejected[:max(room_r, 0)], ex.rejected_prompt)
             ds.truncated += 1
-        if room <= 0:
+        if min(room_c, room_r) <= 0:
             raise DataError(f"{where}: the prompt alone is {len(ex.prompt)} tokens; max_seq_length "
                             f"{max_seq_length} leaves no response tokens to train on")
         ds.examples.append(ex)
@@ -210,15 +212,41 @@ def encode_preference(row, tokenizer, where: str) -> PreferenceExample:
         raise DataError(f"{where}: chat template failed ({e})") from None
     if not prompt_ids:
         raise DataError(f"{where}: the chat template renders the prompt as no tokens")
-    P = len(prompt_ids)
-    for ids, key in zip(full, ("chosen", "rejected")):
-        if ids[:P] != prompt_ids:
+    # Each branch's prompt is what its rendering shares with the prompt's. The
+    # text must extend the prompt's; its tokens may still differ at the seam, when
+    # the tokenizer merges the prompt's last characters with the response's first
+    # (a generation prompt ending in a space). That branch's prompt is then shorter,
+    # and a row whose two branch prompts differ runs as two branches in the step.
+    try:
+        prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                    tokenize=False, **kwargs)
+        texts = [tokenizer.apply_chat_template(
+                     prompt + [{"role": "assistant", "content": text}], tokenize=False, **kwargs)
+                 for text in (chosen, rejected)]
+    except Exception as e:
+        raise DataError(f"{where}: chat template failed ({e})") from None
+    prompts = []
+    for ids, text, key in zip(full, texts, ("chosen", "rejected")):
+        n = _common_prefix(ids, prompt_ids)
+        if not text.startswith(prompt_text) or n == 0:
             raise DataError(f"{where}: chat template does not render the prompt as a prefix of "
-                            f"the prompt + '{key}' conversation (token-exact), so its response "
-                            f"tokens cannot be told apart")
-        if len(ids) == P:
+                            f"the prompt + '{key}' conversation, so its response tokens cannot "
+                            f"be told apart")
+        if len(ids) == n:
             raise DataError(f"{where}: '{key}' renders to no tokens after the prompt")
-    return PreferenceExample(prompt_ids, full[0][P:], full[1][P:])
+        prompts.append(n)
+    (nc, nr), (fc, fr) = prompts, full
+    return PreferenceExample(fc[:nc], fc[nc:], fr[nr:],
+                             rejected_prompt=None if fr[:nr] == fc[:nc] else fr[:nr])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _prompt_messages(row: dict, where: str) -> list[dict]:

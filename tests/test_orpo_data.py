@@ -172,6 +172,29 @@ def test_a_template_that_does_not_render_the_prompt_as_a_prefix_is_refused(model
         load_dataset(jsonl(tmp_path, PAIR), tokenizer_of(folder), method="orpo")
 
 
+def test_a_prompt_merged_into_a_response_gives_that_branch_its_own_prompt(model_dir, tmp_path):
+    # A generation prompt ending in a space: byte-level BPE merges it with a response
+    # that starts with a letter (" r") but not with one it never saw (" ~"), so the
+    # two branches' prompts differ by a token and the row is marked for two branches.
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|im_end|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok2 = tokenizer_of(folder)
+    row = {"prompt": "after q", "chosen": "r s t", "rejected": "~~ ~"}
+    (ex,) = load_dataset(jsonl(tmp_path, row), tok2, method="orpo").examples
+    prompt = chat(tok2, [{"role": "user", "content": "after q"}], add_generation_prompt=True)
+    assert ex.rejected_prompt == prompt and ex.prompt == prompt[:-1]
+    for branch_prompt, response, text in ((ex.prompt, ex.chosen, "r s t"),
+                                          (ex.rejected_prompt, ex.rejected, "~~ ~")):
+        whole = chat(tok2, [{"role": "user", "content": "after q"},
+                            {"role": "assistant", "content": text}])
+        assert branch_prompt + response == whole
+
+
 def test_sft_rows_are_unchanged(tok, tmp_path):
     rows = [{"prompt": "after q", "completion": "r s t"}, {"text": "a b c"},
             {"messages": [MSG, {"role": "assistant", "content": "yo"}]}]
