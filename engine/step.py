@@ -392,14 +392,15 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phas
     mx.eval(loss, w, sums)
 
     grads: dict = {}
-    for stream, fwd, g, tag in zip(plan.streams, forwards, heads, tags):
+    for k, (stream, fwd, tag) in enumerate(zip(plan.streams, forwards, tags)):
+        g, heads[k] = heads[k], None  # this branch's head gradients live on only in dh
         dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
         del g
         blocked = 0 < attn_block < len(stream.ids)
         with _positions(parts, stream):
             _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                       base_seed, phase, tag)
-    heads.clear()
+        forwards[k] = fwd = None  # its donor K/V go before the next branch's backward
     mx.random.seed(base_seed + len(layers))
     return loss, {n: grads[n] for n in names}, sums
 
