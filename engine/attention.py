@@ -133,10 +133,6 @@ def swapped_sdpa(layers, make):
             m.scaled_dot_product_attention = original
 
 
-def _fused(q, k, v, scale, mask):
-    return attend(q, k, v, scale, mask)
-
-
 def _check(cache, sinks):
     if cache is not None or sinks is not None:
         raise ValueError("blockwise attention backward supports no cache and no sinks")
@@ -161,7 +157,7 @@ def _with_vjp(backward):
 
         @mx.custom_function
         def attn(q, k, v):
-            return _fused(q, k, v, scale, mask)
+            return attend(q, k, v, scale, mask)
 
         @attn.vjp
         def attn_vjp(primals, cotangent, output):

@@ -197,9 +197,9 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
     rows = valid.examples if job.train.val_batches < 0 else valid.examples[:job.train.val_batches]
     model.eval()
     total = tokens = 0
+    method = method_options(job)
     for ex in rows:
-        loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk, parts=parts,
-                            **method_options(job))
+        loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk, parts=parts, **method)
         total, tokens = total + loss * n, tokens + n
     model.train()
     val = total / tokens

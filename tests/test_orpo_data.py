@@ -158,32 +158,33 @@ def test_missing_file_and_empty_file(tok, tmp_path):
         load_dataset(jsonl(tmp_path, ""), tok, method="orpo")
 
 
-def test_a_template_that_does_not_render_the_prompt_as_a_prefix_is_refused(model_dir, tmp_path):
+def with_template(model_dir: Path, tmp_path: Path, template: str):
+    """The tokenizer of a copy of the demo model whose chat template is `template`."""
     folder = tmp_path / "model"
     shutil.copytree(model_dir, folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    # the finished turn says "assistant:" where the generation prompt says "assistant\n"
-    config["chat_template"] = (
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] + '<|im_end|>' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return tokenizer_of(folder)
+
+
+def test_a_template_that_does_not_render_the_prompt_as_a_prefix_is_refused(model_dir, tmp_path):
+    # the finished turn says "assistant:" where the generation prompt says "assistant\n"
+    tok2 = with_template(model_dir, tmp_path, (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] + '<|im_end|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"))
     with pytest.raises(DataError, match=r"pairs\.jsonl:1: chat template does not render the prompt "
                                         r"as a prefix"):
-        load_dataset(jsonl(tmp_path, PAIR), tokenizer_of(folder), method="orpo")
+        load_dataset(jsonl(tmp_path, PAIR), tok2, method="orpo")
 
 
 def test_a_prompt_merged_into_a_response_gives_that_branch_its_own_prompt(model_dir, tmp_path):
     # A generation prompt ending in a space: byte-level BPE merges it with a response
     # that starts with a letter (" r") but not with one it never saw (" ~"), so the
     # two branches' prompts differ by a token and the row is marked for two branches.
-    folder = tmp_path / "model"
-    shutil.copytree(model_dir, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
+    tok2 = with_template(model_dir, tmp_path, (
         "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|im_end|>' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    tok2 = tokenizer_of(folder)
+        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"))
     row = {"prompt": "after q", "chosen": "r s t", "rejected": "~~ ~"}
     (ex,) = load_dataset(jsonl(tmp_path, row), tok2, method="orpo").examples
     prompt = chat(tok2, [{"role": "user", "content": "after q"}], add_generation_prompt=True)
