@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +34,10 @@ GB = 1e9
 
 class OOMError(RuntimeError):
     """A measured peak crossed the job's memory budget."""
+
+    def __init__(self, message: str, peak_gb: float = 0.0):
+        super().__init__(message)
+        self.peak_gb = peak_gb   # the peak that crossed it
 
 
 class OutputError(ValueError):
@@ -95,40 +100,23 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         # The RNG is a function of (seed, step): a resumed run draws what the
         # uninterrupted one would have.
         mx.random.seed(job.train.seed * 1_000_003 + step)
-        phases: list[tuple[str, float]] = []
-
-        def on_phase(label: str):
-            peak = mx.get_peak_memory() / GB
-            phases.append((label, round(peak, 4)))
-            if budget and peak > budget:
-                raise OOMError(f"peak {peak:.3f} GB crossed memory.budget_gb {budget} "
-                               f"during {label} of step {step}")
-
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        tic = time.perf_counter()
-        metrics: dict = {}
-        loss, grads = loss_and_grads(model, example, segment_size=seg,
-                                     head_chunk=job.memory.head_chunk,
-                                     attn_block=job.memory.attn_block,
-                                     grad_checkpoint=job.memory.grad_checkpoint,
-                                     parts=parts, on_phase=on_phase, metrics=metrics, **method)
-        grad_norm = apply_grads(model, optimizer, grads, job.train.grad_clip)
-        mx.eval(loss, grad_norm, model.trainable_parameters(), optimizer.state)
-        seconds = time.perf_counter() - tic
-        on_phase("update")
-        loss = loss.item()
+        m = measured_step(model, optimizer, example, parts=parts, step=step, budget=budget,
+                          segment_size=seg, head_chunk=job.memory.head_chunk,
+                          attn_block=job.memory.attn_block,
+                          grad_checkpoint=job.memory.grad_checkpoint,
+                          grad_clip=job.train.grad_clip, method=method)
+        loss = m.loss.item()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
         tokens = supervised_tokens(example)
-        emit(ev.Step(time=clock(), step=step, loss=loss, tokens=tokens, seconds=seconds,
-                     tokens_per_s=tokens / seconds, lr=float(optimizer.learning_rate.item()),
-                     grad_norm=grad_norm.item(), peak_gb=mx.get_peak_memory() / GB,
+        emit(ev.Step(time=clock(), step=step, loss=loss, tokens=tokens, seconds=m.seconds,
+                     tokens_per_s=tokens / m.seconds, lr=float(optimizer.learning_rate.item()),
+                     grad_norm=m.grad_norm.item(), peak_gb=m.peak_gb,
                      active_gb=mx.get_active_memory() / GB, cache_gb=mx.get_cache_memory() / GB,
-                     margin=metrics.get("margin"), accuracy=metrics.get("accuracy"),
-                     prefix_shared=metrics.get("prefix_shared")))
+                     margin=m.metrics.get("margin"), accuracy=m.metrics.get("accuracy"),
+                     prefix_shared=m.metrics.get("prefix_shared")))
         if job.telemetry.phases:
-            emit(ev.Phase(time=clock(), step=step, phases=phases))
+            emit(ev.Phase(time=clock(), step=step, phases=m.phases))
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
                           or step == total):
             val = evaluate(model, parts, valid_set, job, step, emit, clock)
@@ -183,6 +171,48 @@ def method_options(job: JobSpec) -> dict:
         return dict(method="orpo", lambda_=o.lambda_, nll_scope=o.nll_scope,
                     prefix_shared=o.prefix_shared)
     return dict(method="sft")
+
+
+@dataclass
+class MeasuredStep:
+    loss: mx.array
+    grad_norm: mx.array
+    seconds: float
+    peak_gb: float                     # the step's peak: the highest of its phases
+    phases: list[tuple[str, float]]    # (label, that phase's own peak GB), in order
+    metrics: dict
+
+
+def measured_step(model, optimizer, example, *, parts, step: int, budget: float | None,
+                  segment_size: int, head_chunk: int, attn_block: int, grad_checkpoint: bool,
+                  grad_clip: float | None, method: dict) -> MeasuredStep:
+    """One optimizer step under the memory guard, with each phase's own peak: the
+    peak counter restarts at every phase boundary, so a phase's figure is what it
+    alone needed (a plan's measured memory model is fitted phase by phase).
+    Raises OOMError when a phase's peak crosses `budget`."""
+    phases: list[tuple[str, float]] = []
+
+    def on_phase(label: str):
+        peak = mx.get_peak_memory() / GB
+        mx.reset_peak_memory()
+        phases.append((label, round(peak, 6)))
+        if budget and peak > budget:
+            raise OOMError(f"peak {peak:.3f} GB crossed memory.budget_gb {budget} "
+                           f"during {label} of step {step}", peak)
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    metrics: dict = {}
+    loss, grads = loss_and_grads(model, example, segment_size=segment_size, head_chunk=head_chunk,
+                                 attn_block=attn_block, grad_checkpoint=grad_checkpoint,
+                                 parts=parts, on_phase=on_phase, metrics=metrics, **method)
+    grad_norm = apply_grads(model, optimizer, grads, grad_clip)
+    del grads
+    mx.eval(loss, grad_norm, model.trainable_parameters(), optimizer.state)
+    seconds = time.perf_counter() - tic
+    on_phase("update")
+    return MeasuredStep(loss, grad_norm, seconds, max(p for _, p in phases), phases, metrics)
 
 
 def example_at(ds: Dataset, seed: int, position: int):

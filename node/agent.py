@@ -1,5 +1,6 @@
 """The agent on each node: a Ray actor pinned to its node that runs attempts the
-head sends it, one at a time, each in a fresh engine process (node/attempt.py).
+head sends it, one at a time, each in a fresh engine process (node/attempt.py),
+and the probe points of a tune (node/probes.py).
 
 It reaches the head through the head actor's handle: telemetry batches, then
 checkpoints and the adapter as bytes. Nothing assumes a shared file system.
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import ray
 
-from schemas.records import AttemptResult, AttemptSpec
+from schemas.records import AttemptResult, AttemptSpec, ProbeSpec
 
 from .attempt import Running, run_attempt
 from .models import local_model
+from .probes import run_probes
 
 CALL_TIMEOUT_S = 120
 
@@ -38,7 +40,7 @@ class NodeAgent:
 
     def ping(self) -> dict:
         return {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
-                "running": sorted(self.running)}
+                "running": sorted(map(str, self.running))}
 
     def run(self, spec: AttemptSpec) -> AttemptResult:
         running = Running()
@@ -53,18 +55,37 @@ class NodeAgent:
                 send_checkpoint=lambda step, files: ray.get(
                     head.checkpoint.remote(spec.attempt, step, files), timeout=CALL_TIMEOUT_S),
                 on_started=lambda pid, t: head.started.remote(spec.attempt, pid, t),
-                model_dir=lambda path: local_model(
-                    path, work_root(self.name).parent / "models",
-                    manifest=lambda p: ray.get(head.model_manifest.remote(p),
-                                               timeout=CALL_TIMEOUT_S),
-                    chunk=lambda p, name, offset, n: ray.get(
-                        head.model_chunk.remote(p, name, offset, n), timeout=CALL_TIMEOUT_S)),
-                running=running)
+                model_dir=self._model_dir, running=running)
         finally:
             with self.lock:
                 self.running.pop(spec.attempt, None)
 
-    def cancel(self, attempt: int) -> bool:
+    def probe(self, tune: str, spec: ProbeSpec) -> dict:
+        """Measure a tune's points here; each one goes to the head as it lands."""
+        running = Running()
+        key = f"tune:{tune}"
+        with self.lock:
+            self.running[key] = running
+        try:
+            return run_probes(spec, work_root(self.name), running=running,
+                              model_dir=self._model_dir,
+                              send=lambda event: ray.get(
+                                  self.head.record_probe.remote(tune, self.name, event),
+                                  timeout=CALL_TIMEOUT_S))
+        finally:
+            with self.lock:
+                self.running.pop(key, None)
+
+    def _model_dir(self, path: str) -> str:
+        """The model folder on this node, fetched from the head the first time."""
+        head = self.head
+        return local_model(
+            path, work_root(self.name).parent / "models",
+            manifest=lambda p: ray.get(head.model_manifest.remote(p), timeout=CALL_TIMEOUT_S),
+            chunk=lambda p, name, offset, n: ray.get(head.model_chunk.remote(p, name, offset, n),
+                                                     timeout=CALL_TIMEOUT_S))
+
+    def cancel(self, attempt: int | str) -> bool:
         with self.lock:
             running = self.running.get(attempt)
         if running:

@@ -1,4 +1,5 @@
-"""One attempt of a trial, in a fresh process: `python -m node.worker JOB.json [--resume]`.
+"""One attempt of a trial, in a fresh process: `python -m node.worker JOB.json [--resume]`;
+or the probe points of a tune: `python -m node.worker --probe SPEC.json`.
 
 The node agent starts one of these per attempt so no MLX state (allocator, compiled
 graphs, peak counters) leaks from one trial into the next. Events go to stdout as
@@ -34,6 +35,8 @@ def main(argv: list[str]) -> int:
     from engine.train import run_reported
     from schemas.job import JobSpec
 
+    if argv[0] == "--probe":
+        return _probe(argv[1])
     path, resume = argv[0], "--resume" in argv[1:]
     with open(path, encoding="utf-8") as f:
         job = JobSpec.model_validate(json.load(f))
@@ -43,6 +46,32 @@ def main(argv: list[str]) -> int:
         print(message, file=sys.stderr)
     sys.stdout.flush()
     return code
+
+
+def _probe(path: str) -> int:
+    import time
+    from engine import telemetry
+    from engine.model import ModelError
+    from engine.probe import run_probes
+    from schemas import events as ev
+    from schemas.records import ProbeSpec
+
+    emit = telemetry.json_lines(sys.stdout)
+    with open(path, encoding="utf-8") as f:
+        spec = ProbeSpec.model_validate(json.load(f))
+    try:
+        run_probes(spec, emit, time.time)
+    except ModelError as e:
+        emit(ev.Error(time=time.time(), kind="model", message=str(e)))
+        return ev.EXIT_BAD_INPUT
+    except Exception as e:  # a bug of ours: one line, the trace only when debugging
+        if os.environ.get("SEGCTL_DEBUG"):
+            import traceback
+            traceback.print_exc()
+        emit(ev.Error(time=time.time(), kind="internal",
+                      message=f"internal error: {type(e).__name__}: {e}"))
+        return ev.EXIT_INTERNAL
+    return ev.EXIT_OK
 
 
 if __name__ == "__main__":

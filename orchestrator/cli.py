@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -35,6 +36,7 @@ def main():
     Start here:
       segctl init-demo demo           # tiny random model + data + job.yaml + sweep.yaml
       segctl train demo/job.yaml      # train on this machine (no Ray)
+      segctl tune --model demo/model --seq-lens 256,512,1024   # measure memory per node class
       segctl plan demo/sweep.yaml     # what would run where, at which segment size
       segctl submit demo/sweep.yaml   # run the sweep (this machine unless --cluster)
       segctl status                   # sweeps and trials; segctl gather exports adapters
@@ -122,18 +124,25 @@ def train(job_file: Path, resume: bool, as_json: bool):
 
 def _resolve_auto(job, job_file):
     """`segment_size: auto` under `segctl train`: plan against this machine's memory
-    (or memory.budget_gb when set)."""
+    (or memory.budget_gb when set), from this machine's `segctl tune` measurements
+    in $SEGCTL_HOME's stores when there are any."""
     if job.memory.segment_size != "auto":
         return job
-    from node.probe import probe
-    from orchestrator import planner
-    budget = job.memory.budget_gb or probe().memory_gb
+    from node.probe import default_name, probe
+    from orchestrator import measured, planner
+    from orchestrator.fleet import stores_root
+    from schemas.records import NodeInfo
+    hw = probe()
+    budget = job.memory.budget_gb or hw.memory_gb
     info = planner.model_info(job.model)
-    plan = planner.plan(info, job, seq_len=planner.longest_row(job), budget_gb=budget)
+    here = NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb).node_class
+    tuned = measured.models_of(measured.read_plan(stores_root(None), planner.model_key(info)))
+    plan = planner.plan(info, job, seq_len=planner.longest_row(job), budget_gb=budget,
+                        measured=tuned.get(planner.tune_key(job, here)))
     if not plan.fits:
         _fail(f"{job_file}: memory.segment_size: auto: {plan.reason}")
     click.echo(f"segment_size auto -> {plan.segment_size} (predicted peak {plan.predicted_gb:.2f} GB "
-               f"of {budget:g} GB)", err=True)
+               f"of {budget:g} GB, {plan.source})", err=True)
     return job.model_copy(update={"memory": job.memory.model_copy(
         update={"segment_size": plan.segment_size})})
 
@@ -205,11 +214,15 @@ def _status(root: Path, sid: str | None) -> list[dict]:
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 def plan(sweep_file: Path, cluster_file, as_json: bool):
     """List a sweep's trials and, per node class, the segment size the planner
-    picks and its predicted peak, or "does not fit". Runs nothing."""
+    picks and its predicted peak, or "does not fit". Runs nothing.
+
+    The planner column says where each prediction comes from: "measured" (the
+    model was tuned on that class: `segctl tune`) or "analytic" (estimated
+    from the model's shape)."""
     from orchestrator.submit import plan_rows
     spec = _cluster(cluster_file)
     payload = _payload(sweep_file, spec)
-    rows = plan_rows(payload, _declared_nodes(spec))
+    rows = plan_rows(payload, _declared_nodes(spec), _root(spec))
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
@@ -224,6 +237,101 @@ def _declared_nodes(spec):
         return [NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb, os=hw.os)]
     return [NodeInfo(name=n.name, chip=n.chip, memory_gb=n.memory_gb, labels=n.labels or {})
             for n in spec.nodes]
+
+
+@main.command()
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="the model folder to tune (default: --job's model)")
+@click.option("--method", type=click.Choice(["sft", "orpo"]), default=None,
+              help="the loss the probes train with [default: --job's, else sft]")
+@click.option("--seq-lens", required=True, metavar="N,N,...",
+              help="row lengths in tokens to probe, e.g. 1024,4096,8192")
+@click.option("--segment-sizes", default="1,2,4,8", show_default=True, metavar="N,N,...",
+              help="segment sizes to probe (sizes over the model's layer count become it)")
+@click.option("--job", "job_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="probe with this job's LoRA and memory settings (head_chunk, attn_block, "
+                   "orpo.prefix_shared); default: the job defaults. Trials use the measured "
+                   "model when their method, head_chunk, attn_block and lora.keys match; LoRA "
+                   "rank and layers may differ")
+@click.option("--steps", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="training steps per point; the first warms up and is not timed")
+@click.option("--force", is_flag=True, help="re-measure points the plan table already has")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="where the PNG goes [default: STORES/tune/<model>-<method>.png]")
+@cluster_option
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plot_path,
+         cluster_file, as_json):
+    """Measure a model's peak memory and step time on every node class of the fleet
+    (chip + memory budget) and fit the planner's measured memory model.
+
+    \b
+    For each (sequence length, segment size) one node of each class runs a few
+    real training steps on a synthetic row, classes in parallel, under its
+    memory guard: a point that crosses the budget is a measured "does not fit".
+    Every point goes into the plan table (STORES/telemetry/plan/); points
+    already there are reused unless --force. Then, per class: the fitted
+    model's leave-one-out error, the segment size `auto` now picks per length,
+    and a PNG of peak against segment size with the budget lines. From then on
+    `segctl plan` and the head plan this model from the measurements.
+    """
+    import ray
+    from orchestrator import fleet, planner
+    from orchestrator import tune as tuning
+    from schemas.job import load_job
+    job = _load(load_job, job_file) if job_file else None
+    if model_dir is None and job is None:
+        _fail("give --model PATH (or --job JOB.yaml)")
+    model = str(Path(model_dir).resolve()) if model_dir else job.model
+    try:
+        lengths = tuning.parse_ints(seq_lens, "--seq-lens", low=2)
+        sizes = tuning.parse_ints(segment_sizes, "--segment-sizes", low=1)
+        info = planner.model_info(model)
+    except ValueError as e:
+        _fail(str(e))
+    method = method or (job.method if job else "sft")
+    tjob = tuning.tune_job(model, method, job)
+    sizes = sorted({min(s, info.n_layers) for s in sizes})
+    spec = _cluster(cluster_file)
+    root = _root(spec)
+    head = _head(spec, start=True)
+    nodes = fleet.nodes()
+    if not nodes:
+        _fail("no node of the fleet is up (segctl cluster status)", ev.EXIT_INTERNAL)
+    req = tuning.request(tjob, info, seq_lens=lengths, sizes=sizes, nodes=nodes, root=root,
+                         steps=steps, force=force)
+    todo = sum(len(c["points"]) for c in req["classes"].values())
+    reused = sum(c["reused"] for c in req["classes"].values())
+    say = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
+    say(f"tuning {req['model_name']} ({req['method_key']}) on {len(req['classes'])} node "
+        f"class(es): {len(lengths)} lengths x {len(sizes)} sizes; {todo} point(s) to measure, "
+        f"{reused} reused from the plan table")
+    tic = time.time()
+    tid = ray.get(head.tune.remote(req))
+    try:
+        status = tuning.wait(lambda: ray.get(head.tune_status.remote(tid)),
+                             lambda st: say(views.tune_progress(st)))
+    except KeyboardInterrupt:
+        ray.get(head.cancel_tune.remote(tid))
+        _fail(f"{tid} cancelled: the points measured so far are kept; run the same command "
+              "again to measure the rest", 130)
+    seconds = time.time() - tic
+    margin = spec.planner.margin if spec else 0.15
+    rep = tuning.report(root, req, tjob, info, margin=margin)
+    rep.update(tune=tid, seconds=round(seconds, 1), measured=todo, reused=reused,
+               failed={c: v["error"] for c, v in status["classes"].items() if v["error"]})
+    from orchestrator.measured import models_of, read_plan
+    path = plot_path or root / "tune" / f"{req['model_name'].replace('/', '-')}-{req['method_key']}.png"
+    rep["plot"] = str(tuning.plot(rep, Path(path), info.n_layers,
+                                  models_of(read_plan(root, req["model_key"])), tjob))
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+    else:
+        views.console().print(views.tune_table(rep))
+        for line in views.tune_notes(rep):
+            click.echo(line)
+    if rep["failed"]:
+        sys.exit(1)
 
 
 @main.command()

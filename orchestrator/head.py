@@ -24,9 +24,10 @@ import ray
 
 from node import models
 from schemas.job import JobSpec
-from schemas.records import AttemptResult, AttemptSpec, NodeInfo, SweepState, TrialState
+from schemas.records import (AttemptResult, AttemptSpec, NodeInfo, ProbeSpec, SweepState,
+                             TrialState)
 
-from . import planner
+from . import measured, planner
 from .state import State
 from .stores import Stores
 
@@ -54,6 +55,9 @@ class Controller:
         self.inflight: dict[object, tuple[int, str, str]] = {}   # ref -> (attempt, trial, node)
         self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
         self.plans: dict[tuple, object] = {}    # (trial, node, budget, max_segment) -> Plan
+        self.fitted: dict[str, dict] = {}       # model key -> {measured.match_key: MemoryModel}
+        self.tunes: dict[str, dict] = {}        # tune id -> its request and per-class progress
+        self.probing: dict[object, tuple[str, str, str]] = {}   # ref -> (tune, class, node)
         self.nodes_seen = 0.0
         self.wake = threading.Event()          # set by requests that may make work runnable
         self.recover()
@@ -117,6 +121,70 @@ class Controller:
             return {"sweep": sid, "state": self.state.one(
                 "SELECT state FROM sweeps WHERE id = ?", (sid,))["state"], "unfinished": left}
 
+    def tune(self, request: dict) -> str:
+        """request: model, model_key, model_name, n_layers, method, prefix_shared,
+        method_key, lora, head_chunk, attn_block, steps, classes {class: {budget_gb,
+        points [[seq_len, segment_size]], reused}}. Each class's points run on one
+        free node of that class, ahead of pending trials."""
+        with self.mu:
+            tid = f"tune-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self.clock()))}"
+            tid += f"-{sum(1 for t in self.tunes if t.startswith(tid)) + 1}"
+            self.tunes[tid] = {"request": request, "started": self.clock(), "classes": {
+                cls: {"state": "queued" if c["points"] else "done", "node": None,
+                      "points": [list(p) for p in c["points"]], "budget_gb": c["budget_gb"],
+                      "done": 0, "fits": 0, "reused": c.get("reused", 0), "error": ""}
+                for cls, c in request["classes"].items()}}
+        self.wake.set()
+        return tid
+
+    def tune_status(self, tid: str) -> dict:
+        with self.mu:
+            if tid not in self.tunes:
+                raise KeyError(f"no tune named {tid!r}")
+            t = self.tunes[tid]
+            return {"tune": tid, "started": t["started"],
+                    "classes": {cls: {k: v for k, v in c.items() if k != "points"}
+                                | {"total": len(c["points"])}
+                                for cls, c in t["classes"].items()}}
+
+    def cancel_tune(self, tid: str) -> None:
+        """Stop a tune: queued classes never start, running probe processes end;
+        every point already measured stays in the plan table."""
+        with self.mu:
+            for c in self.tunes.get(tid, {}).get("classes", {}).values():
+                if c["state"] == "queued":
+                    c.update(state="cancelled")
+                elif c["state"] == "running" and c["node"] in self.agents:
+                    self.agents[c["node"]].cancel.remote(f"tune:{tid}")
+
+    def record_probe(self, tid: str, node: str, event: dict) -> None:
+        """A node measured one point: its row goes into the plan table at once."""
+        with self.mu:
+            t = self.tunes[tid]
+            req = t["request"]
+            cls = next(c for c, v in t["classes"].items() if v["node"] == node)
+            entry = t["classes"][cls]
+            info = self.nodes.get(node)
+            row = dict(tune=tid, time=event["time"], model_name=req["model_name"],
+                       n_layers=req["n_layers"], method=req["method_key"], node_class=cls,
+                       node=node, chip=info.chip if info else cls.split("/")[0],
+                       budget_gb=entry["budget_gb"], lora_rank=req["lora"]["rank"],
+                       lora_layers=req["lora"]["num_layers"],
+                       lora_keys=measured.lora_keys_text(req["lora"].get("keys")),
+                       head_chunk=req["head_chunk"], attn_block=req["attn_block"],
+                       seq_len=event["seq_len"], segment_size=event["segment_size"],
+                       fits=event["fits"], peak_gb=event["peak_gb"],
+                       phases=[label for label, _ in event["phases"]],
+                       phase_peaks=[peak for _, peak in event["phases"]],
+                       step_s=event.get("step_s"), steps=event["steps"],
+                       message=event.get("message", ""))
+            self.stores.put_probe(req["model_key"], row)
+            entry["done"] += 1
+            entry["fits"] += bool(event["fits"])
+            # plans made before this measurement are stale
+            self.fitted.pop(req["model_key"], None)
+            self.plans.clear()
+
     # ------------------------------------------------------------ from agents
     def started(self, aid: int, pid: int, t: float) -> None:
         with self.mu:
@@ -152,6 +220,8 @@ class Controller:
         for (job,) in self.state.q("SELECT DISTINCT job FROM trials"):
             if json.loads(job).get("model") == path:
                 return path
+        if any(t["request"]["model"] == path for t in self.tunes.values()):
+            return path
         raise PermissionError(f"{path}: not the model of any trial")
 
     # ------------------------------------------------------------ the loop
@@ -173,7 +243,7 @@ class Controller:
         if self.agents_up():
             with self.mu:
                 self.place()
-        refs = list(self.inflight)
+        refs = list(self.inflight) + list(self.probing)
         ready = []
         if refs:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TICK_S)
@@ -182,6 +252,9 @@ class Controller:
         self.wake.clear()
         ended = []
         for ref in ready:
+            if ref in self.probing:
+                self._probed(ref)
+                continue
             aid, tid, node = self.inflight.pop(ref)
             try:
                 result = ray.get(ref)
@@ -238,6 +311,7 @@ class Controller:
     # ------------------------------------------------------------ placement
     def place(self) -> None:
         free = [n for n in self.nodes.values() if n.name not in self.busy and n.name in self.agents]
+        free = self._place_probes(free)
         sweeps = self.state.q("SELECT * FROM sweeps WHERE state = 'RUNNING' "
                               "ORDER BY priority DESC, created")
         for s in sweeps:
@@ -275,6 +349,45 @@ class Controller:
                 free.remove(node)
                 live += 1
 
+    def _place_probes(self, free: list[NodeInfo]) -> list[NodeInfo]:
+        """Each queued class of a tune gets a free node of its class; returns the
+        nodes left free. Probes go first: what they measure plans the trials."""
+        for tid, t in self.tunes.items():
+            req = t["request"]
+            for cls, c in t["classes"].items():
+                if c["state"] != "queued":
+                    continue
+                node = next((n for n in free if n.node_class == cls), None)
+                if node is None:
+                    if not any(n.node_class == cls for n in self.nodes.values()):
+                        c.update(state="failed", error=f"no node of class {cls} is up")
+                    continue
+                spec = ProbeSpec(model=req["model"], method=req["method"],
+                                 prefix_shared=req["prefix_shared"], lora=req["lora"],
+                                 head_chunk=req["head_chunk"], attn_block=req["attn_block"],
+                                 budget_gb=node.memory_gb, points=c["points"], steps=req["steps"])
+                ref = self.agents[node.name].probe.remote(tid, spec)
+                self.probing[ref] = (tid, cls, node.name)
+                self.busy[node.name] = f"tune:{tid}"
+                c.update(state="running", node=node.name)
+                free = [n for n in free if n.name != node.name]
+        return free
+
+    def _probed(self, ref) -> None:
+        tid, cls, node = self.probing.pop(ref)
+        try:
+            result = ray.get(ref)
+        except LOST as e:
+            result = {"error": f"node {node} lost ({type(e).__name__})"}
+            self.agents.pop(node, None)
+        with self.mu:
+            self.busy.pop(node, None)
+            self.free_since[node] = self.clock()
+            c = self.tunes[tid]["classes"][cls]
+            error = result.get("error") or ""
+            c.update(state="cancelled" if error == "cancelled" else "failed" if error else "done",
+                     error=error)
+
     def _plan(self, t, node: NodeInfo, knobs: dict):
         key = (t["id"], node.name, node.memory_gb, t["max_segment"])
         if key not in self.plans:
@@ -283,10 +396,18 @@ class Controller:
 
     def _plan_now(self, t, node: NodeInfo, knobs: dict):
         job = JobSpec.model_validate(json.loads(t["job"]))
-        return planner.plan(planner.ModelInfo.from_dict(json.loads(t["model_info"])), job,
-                            seq_len=t["seq_len"], budget_gb=node.memory_gb,
+        info = planner.ModelInfo.from_dict(json.loads(t["model_info"]))
+        return planner.plan(info, job, seq_len=t["seq_len"], budget_gb=node.memory_gb,
                             margin=knobs.get("margin", 0.15), scale=knobs.get("scale", 1.0),
-                            below=t["max_segment"])
+                            below=t["max_segment"],
+                            measured=self._measured(info, job, node.node_class))
+
+    def _measured(self, info, job: JobSpec, node_class: str):
+        """The tuned memory model for this trial on this class, if one was measured."""
+        key = planner.model_key(info)
+        if key not in self.fitted:
+            self.fitted[key] = measured.models_of(measured.read_plan(self.root, key))
+        return self.fitted[key].get(planner.tune_key(job, node_class))
 
     def dispatch(self, t, node: NodeInfo, plan) -> None:
         tid = t["id"]
@@ -300,7 +421,8 @@ class Controller:
         how = f"resuming from step {ckpt[0]}" if ckpt else "from the start"
         self.state.move(tid, TrialState.PLACED,
                         f"placed on {node.name} ({node.node_class}) at segment_size "
-                        f"{plan.segment_size}, predicted peak {plan.predicted_gb:.3f} GB, {how}",
+                        f"{plan.segment_size}, predicted peak {plan.predicted_gb:.3f} GB "
+                        f"({plan.source}), {how}",
                         attempt=aid)
         job = json.loads(t["job"])
         mem = job.setdefault("memory", {})
@@ -450,6 +572,18 @@ class Head:
 
     def checkpoint(self, aid: int, step: int, files: dict) -> None:
         self.c.checkpoint(aid, step, files)
+
+    def tune(self, request: dict) -> str:
+        return self.c.tune(request)
+
+    def tune_status(self, tid: str) -> dict:
+        return self.c.tune_status(tid)
+
+    def cancel_tune(self, tid: str) -> None:
+        self.c.cancel_tune(tid)
+
+    def record_probe(self, tid: str, node: str, event: dict) -> None:
+        self.c.record_probe(tid, node, event)
 
     def model_manifest(self, path: str) -> list:
         return models.manifest(self.c.model_folder(path))

@@ -17,12 +17,15 @@ times (bench/results/h200-*.jsonl); a fleet corrects a systematic error with
 the planner's `scale`.
 
 `plan` turns predictions into a decision against a node's budget:
-`memory.segment_size: auto` gets the largest (fastest) size whose prediction
-stays under the budget less a margin.
+`memory.segment_size: auto` gets the fastest size whose prediction stays under
+the budget less a margin. Where `segctl tune` measured the model on the node's
+class (orchestrator/measured.py), the measured model predicts instead of this
+estimate, and its measured step times say which size is fastest.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -49,6 +52,7 @@ MASK_BYTES = 2.0         # bytes per [L, L] entry of the causal mask unfused att
 HEAD_COPIES = 3.6        # fp32 [tokens, vocab] matrices the head holds: logits, exp, cotangent
 PLAIN_HEAD_EXTRA = 1.5   # more fp32 [L, vocab] copies in plain mode's unchunked cross-entropy
 HALF_BYTES = 2.75        # bytes an activation entry costs in a bf16/fp16 model (see _peak_bytes)
+TIME_TIE = 0.10          # measured step times this close count as equal (auto takes the larger size)
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _CONFIG_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -321,25 +325,49 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
 # ---------------------------------------------------------------- the decision
 
 def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float, margin: float = 0.15,
-         scale: float = 1.0, below: int | None = None) -> Plan:
+         scale: float = 1.0, below: int | None = None, measured=None) -> Plan:
     """The segment size for `job` on a node with `budget_gb`: a fixed size as the job
-    gives it; `auto`: the largest that fits; `below` (after an OOM at that size):
-    the largest smaller one that fits. Fits when scale x prediction <= budget x (1 - margin)."""
+    gives it; `auto`: the fastest that fits; `below` (after an OOM at that size): the
+    fastest smaller one that fits. Fits when the prediction <= budget x (1 - margin).
+
+    `measured` (a measured.MemoryModel of this model, method and node class, from
+    `segctl tune`) predicts where it covers the row length; the analytic estimate
+    (times `scale`) does otherwise. With measured step times "fastest" is the
+    probed size measured fastest; without, the largest size (the fewest recomputes)."""
     limit = budget_gb * (1 - margin)
     mem = job.memory
+    gap = measured.gap(seq_len) if measured is not None else None
+    use = measured if measured is not None and gap is None else None
+    if use is not None:
+        source = f"measured (tune {use.tune})" if use.tune else "measured"
+    elif measured is not None:
+        source = f"analytic (measured model: {gap})"
+    else:
+        source = "analytic (not tuned)"
 
     def curve(top: int) -> list[float]:
-        return [scale * gb for gb in _curve(
-            info, seq_len, top, job.lora.rank, job.lora.num_layers, mem.head_chunk,
-            mem.attn_block, mem.grad_checkpoint, method_key(job))]
+        if use is None:
+            return [scale * gb for gb in _curve(
+                info, seq_len, top, job.lora.rank, job.lora.num_layers, mem.head_chunk,
+                mem.attn_block, mem.grad_checkpoint, method_key(job))]
+        out: list[float] = []
+        for size in range(1, max(top, 1) + 1):
+            out.append(max(use.predict(seq_len, size) + _lora_delta_gb(info, job, use),
+                           out[-1] if out else 0.0))
+        return out
 
     def predicted(size: int) -> float:
+        if size == 0 and use is not None:   # plain autodiff is never probed
+            return scale * _curve(info, seq_len, 0, job.lora.rank, job.lora.num_layers,
+                                  mem.head_chunk, mem.attn_block, mem.grad_checkpoint,
+                                  method_key(job))[-1]
         return curve(min(size, info.n_layers))[-1]
 
     def answer(size: int, fits: bool, reason: str, gb: float | None = None) -> Plan:
         gb = predicted(size) if gb is None else gb
         return Plan(segment_size=size, predicted_gb=round(gb, 4), budget_gb=budget_gb,
-                    fits=fits, reason=reason)
+                    fits=fits, reason=f"{reason}; {source}",
+                    source="measured" if use is not None and size else "analytic")
 
     room = f"budget {budget_gb:g} GB less {margin:.0%} margin"
     if below is not None and below < 1:
@@ -357,11 +385,48 @@ def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float, margi
     top = info.n_layers if below is None else min(below - 1, info.n_layers)
     after = "" if below is None else f"after out of memory at segment_size {below}: "
     gbs = curve(top)
-    for size in range(top, 0, -1):  # largest first: the fewest recomputes
-        gb = gbs[size - 1]
-        if gb <= limit:
-            which = (f"segment_size {size} (all layers in one segment) fits" if size == info.n_layers
-                     else f"segment_size {size} of {info.n_layers} layers is the largest that fits")
-            return answer(size, True, f"{after}{which}: needs {gb:.3g} GB, {room}", gb)
-    gb = gbs[0]
-    return answer(1, False, f"{after}does not fit: needs {gb:.3g} GB at segment_size 1, {room}", gb)
+    fitting = [size for size in range(top, 0, -1) if gbs[size - 1] <= limit]
+    if not fitting:
+        gb = gbs[0]
+        return answer(1, False, f"{after}does not fit: needs {gb:.3g} GB at segment_size 1, {room}",
+                      gb)
+    size = fitting[0]   # largest first: the fewest recomputes
+    times = {s: use.step_s(seq_len, s) for s in fitting} if use is not None else {}
+    times = {s: t for s, t in times.items() if t is not None}   # the sizes that were probed
+    if times:
+        # the fastest measured; a size within TIME_TIE of it counts as as fast
+        # (a few timed steps are that noisy), and the larger of those wins
+        best = min(times.values())
+        size = next(s for s in times if times[s] <= best * (1 + TIME_TIE))
+        which = f"segment_size {size} is the fastest that fits (~{times[size]:.3g} s/step)"
+    elif size == info.n_layers:
+        which = f"segment_size {size} (all layers in one segment) fits"
+    else:
+        which = f"segment_size {size} of {info.n_layers} layers is the largest that fits"
+    gb = gbs[size - 1]
+    return answer(size, True, f"{after}{which}: needs {gb:.3g} GB, {room}", gb)
+
+
+def _lora_delta_gb(info: ModelInfo, job: JobSpec, model) -> float:
+    """What the job's LoRA (rank, layers) holds beyond the LoRA the probes ran with:
+    its parameters, grads and AdamW moments (LORA_COPIES of them)."""
+    def params(rank, layers):
+        n = info.n_layers if layers < 0 else min(layers, info.n_layers)
+        return _lora_params(info, rank, n)
+    extra = params(job.lora.rank, job.lora.num_layers) - params(model.lora_rank, model.lora_layers)
+    return LORA_COPIES * F32 * extra / GB
+
+
+def model_key(info: ModelInfo) -> str:
+    """The plan table's name for a model: its planner facts (shape, dtype, weight
+    bytes) decide its memory, so two copies of one model share their measurements."""
+    blob = json.dumps(info.to_dict(), sort_keys=True).encode()
+    return f"{info.model_type}-{info.n_layers}x{info.hidden}-{hashlib.sha256(blob).hexdigest()[:10]}"
+
+
+def tune_key(job: JobSpec, node_class: str) -> tuple:
+    """measured.match_key of the probes that fit `job` on `node_class`."""
+    from .measured import lora_keys_text
+    mem = job.memory
+    return (method_key(job), node_class, mem.head_chunk, mem.attn_block,
+            lora_keys_text(job.lora.keys))

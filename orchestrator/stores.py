@@ -111,6 +111,17 @@ class Stores:
                 con.execute("UPDATE attempts SET sealed = COALESCE(sealed, CAST(strftime('%s', "
                             "'now') AS REAL)) WHERE attempt = ?", (attempt,))
 
+    def put_probe(self, model_key: str, row: dict) -> None:
+        """One probe point of a tune into the plan table, as its own file: a tune
+        that dies half-way keeps every point it measured."""
+        unknown = set(row) - set(sr.PLAN.names)
+        if unknown:
+            raise ValueError(f"plan row: unknown column(s) {sorted(unknown)}")
+        table = pa.Table.from_pylist([row], schema=sr.PLAN)
+        with self._lock:
+            self._put_parquet(table, self.root / sr.plan_file(
+                model_key, row["tune"], row["node"], row["seq_len"], row["segment_size"]))
+
     def put_checkpoint(self, sweep: str, trial: str, attempt: int, step: int,
                        files: dict[str, bytes]) -> None:
         """Keep a checkpoint folder's files exactly; only the newest few per trial stay."""

@@ -43,9 +43,14 @@ def prepare(sweep: Sweep, knobs: dict) -> dict:
     return dict(name=sweep.spec.name, path=sweep.path, spec=spec, trials=trials, blobs=blobs)
 
 
-def plan_rows(payload: dict, nodes: list[NodeInfo]) -> list[dict]:
-    """`segctl plan`: per trial and node class, the segment size and predicted peak."""
+def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None) -> list[dict]:
+    """`segctl plan`: per trial and node class, the segment size and predicted peak,
+    from the plan table's measured model where `segctl tune` made one (stores
+    under `root`), else the analytic estimate."""
     from schemas.job import JobSpec
+
+    from . import measured
+    fitted: dict[str, dict] = {}
     classes = {}
     for n in nodes:
         classes.setdefault(n.node_class, n)
@@ -60,10 +65,15 @@ def plan_rows(payload: dict, nodes: list[NodeInfo]) -> list[dict]:
             if not n.matches(placement):
                 per[cls] = {"fits": False, "reason": "placement excludes it"}
                 continue
+            key = planner.model_key(info)
+            if key not in fitted:
+                fitted[key] = measured.models_of(measured.read_plan(root, key)) if root else {}
             p = planner.plan(info, job, seq_len=t["seq_len"], budget_gb=n.memory_gb,
-                             margin=knobs.get("margin", 0.15), scale=knobs.get("scale", 1.0))
+                             margin=knobs.get("margin", 0.15), scale=knobs.get("scale", 1.0),
+                             measured=fitted[key].get(planner.tune_key(job, cls)))
             per[cls] = {"fits": p.fits, "segment_size": p.segment_size,
-                        "predicted_gb": round(p.predicted_gb, 4), "reason": p.reason}
+                        "predicted_gb": round(p.predicted_gb, 4), "source": p.source,
+                        "reason": p.reason}
         rows.append({"trial": t["name"], "params": t["params"], "seq_len": t["seq_len"],
                      "classes": per})
     return rows

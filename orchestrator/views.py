@@ -74,11 +74,65 @@ def plan_table(rows: list[dict]) -> Table:
         cells = []
         for c in classes:
             p = r["classes"][c]
-            cells.append(f"seg {p['segment_size']}, {p['predicted_gb']:.3f} GB" if p["fits"]
-                         else f"[red]does not fit[/] ({p['reason']})")
+            cells.append(f"seg {p['segment_size']}, {p['predicted_gb']:.3f} GB, {p['source']}"
+                         if p["fits"] else f"[red]does not fit[/] ({p['reason']})")
         table.add_row(r["trial"], " ".join(f"{k}={v}" for k, v in r["params"].items()),
                       str(r["seq_len"]), *cells)
     return table
+
+
+def tune_progress(status: dict) -> str:
+    """One line per status change of a tune."""
+    parts = []
+    for cls, c in status["classes"].items():
+        where = f" on {c['node']}" if c["node"] else ""
+        extra = f" ({c['fits']} fit)" if c["done"] else ""
+        err = f": {c['error']}" if c["error"] else ""
+        parts.append(f"{cls}{where}: {c['state']} {c['done']}/{c['total']}{extra}{err}")
+    return f"{status['tune']}: " + "; ".join(parts)
+
+
+def tune_table(rep: dict) -> Table:
+    """Per node class and sequence length: what `auto` plans from the measurements,
+    and the measured peak at every probed segment size."""
+    sizes = sorted({p["segment_size"] for c in rep["classes"] for p in c["points"]})
+    table = Table(title=f"tune of {rep['model_key']} ({rep['method']}): best segment size per "
+                        f"node class and length (fits the budget less {rep['margin']:.0%})",
+                  title_justify="left")
+    for col in ("node class", "tokens", "best seg", "predicted GB", "step s", "planner"):
+        table.add_column(col, no_wrap=True)
+    for s in sizes:
+        table.add_column(f"seg {s} measured GB", no_wrap=True)
+    for c in rep["classes"]:
+        for p in c["plans"]:
+            cells = []
+            for s in sizes:
+                m = next((x for x in c["points"]
+                          if x["seq_len"] == p["seq_len"] and x["segment_size"] == s), None)
+                cells.append("" if m is None else f"{m['peak_gb']:.4g}" if m["fits"]
+                             else f"[red]>{c['budget_gb']:g}[/] (stopped)")
+            best = (str(p["segment_size"]) if p["fits"] else "[red]does not fit[/]")
+            table.add_row(c["node_class"], str(p["seq_len"]), best, f"{p['predicted_gb']:.4g}",
+                          _num(p["step_s"], ".3g"), p["source"], *cells)
+    return table
+
+
+def tune_notes(rep: dict) -> list[str]:
+    lines = []
+    for c in rep["classes"]:
+        h = c["held_out"]
+        if h["n"]:
+            lines.append(f"{c['node_class']}: held-out error over {h['n']} probes (each predicted "
+                         f"from the others): max {h['max_abs_error']:.1%}, mean "
+                         f"{h['mean_abs_error']:.1%}")
+        elif not c["fitted"]:
+            lines.append(f"{c['node_class']}: too few probes fit the budget to fit a model "
+                         f"(needs 4 at 2+ lengths and 2+ sizes): plans stay analytic")
+    for cls, err in rep.get("failed", {}).items():
+        lines.append(f"{cls}: {err}")
+    lines.append(f"{rep['tune']}: {rep['measured']} point(s) measured, {rep['reused']} reused, "
+                 f"{rep['seconds']:.0f} s; plot {rep['plot']}")
+    return lines
 
 
 def transition_line(e: dict) -> str:

@@ -38,7 +38,7 @@ class Step(Event):
     tokens_per_s: float
     lr: float
     grad_norm: float
-    peak_gb: float                 # since mx.reset_peak_memory() at step start
+    peak_gb: float                 # the step's peak: the highest of its phases' peaks
     active_gb: float
     cache_gb: float
     # ORPO only (None for sft). lw, lr: length-normalised mean log p of the chosen and
@@ -51,7 +51,7 @@ class Step(Event):
 class Phase(Event):
     event: Literal["phase"] = "phase"
     step: int
-    phases: list[tuple[str, float]]  # (label, peak GB so far in the step), in order
+    phases: list[tuple[str, float]]  # (label, that phase's own peak GB), in order
 
 
 class Eval(Event):
@@ -84,7 +84,21 @@ class Error(Event):
     step: Optional[int] = None
 
 
-AnyEvent = Union[Start, Step, Phase, Eval, Checkpoint, End, Error]
+class Probe(Event):
+    """One (sequence length, segment size) point of `segctl tune`: a few real
+    training steps on a synthetic row of exactly `seq_len` tokens."""
+    event: Literal["probe"] = "probe"
+    seq_len: int
+    segment_size: int
+    fits: bool                       # False: the memory guard stopped it (a measured "does not fit")
+    peak_gb: float                   # highest step peak; when it does not fit, the peak it was stopped at
+    phases: list[tuple[str, float]]  # (label, that phase's own peak GB), the highest over the steps
+    step_s: Optional[float] = None   # median seconds of the steps after the first (None: did not fit)
+    steps: int                       # steps that ran to the end
+    message: str = ""
+
+
+AnyEvent = Union[Start, Step, Phase, Eval, Checkpoint, End, Error, Probe]
 
 # Exit codes of `segctl train`, so a supervisor can tell outcomes apart without parsing.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_OOM = 0, 1, 2, 3

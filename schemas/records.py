@@ -13,9 +13,11 @@ The state machine (../shared/DESIGN.md):
 from __future__ import annotations
 
 from enum import Enum
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, Field
+
+from .job import LoraSpec
 
 
 class TrialState(str, Enum):
@@ -62,6 +64,7 @@ class Plan(BaseModel):
     budget_gb: float
     fits: bool
     reason: str = ""
+    source: str = "analytic"         # measured: from `segctl tune`'s probes; analytic: estimated
 
 
 class NodeInfo(BaseModel):
@@ -93,6 +96,21 @@ class AttemptSpec(BaseModel):
     data: dict[str, bytes]           # file name -> bytes (train / valid jsonl)
     checkpoint_step: Optional[int] = None
     checkpoint: dict[str, bytes] = {}   # file name -> bytes of the checkpoint to resume from
+
+
+class ProbeSpec(BaseModel):
+    """What `segctl tune` has one node measure: a few training steps at each
+    (sequence length, segment size) point, under the node's memory budget."""
+    model: str                       # the model folder (fetched from the head when absent)
+    method: Literal["sft", "orpo"] = "sft"
+    prefix_shared: bool = True       # orpo: one pass over [prompt | chosen | rejected]
+    lora: LoraSpec = LoraSpec()
+    head_chunk: int = 512
+    attn_block: int = 2048
+    budget_gb: float
+    points: list[tuple[int, int]]    # (seq_len, segment_size), measured in this order
+    steps: int = Field(3, ge=1, description="steps per point; the first is not timed")
+    seed: int = 0
 
 
 class AttemptResult(BaseModel):

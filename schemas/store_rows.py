@@ -66,6 +66,37 @@ ATTEMPTS = pa.schema([
 # dataset name (folder under telemetry/) -> schema
 TABLES = {"steps": STEPS, "evals": EVALS, "attempts": ATTEMPTS}
 
+# The segment-size plan table: one row per probe point of `segctl tune`, under
+# telemetry/plan/model=<model key>/ (hive-partitioned by the model's planner
+# facts, orchestrator/planner.model_key). A re-measured point adds a newer row;
+# readers take the latest row of each point.
+PLAN = pa.schema([
+    ("tune", pa.string()),            # the tune run that measured it
+    ("time", pa.float64()),
+    ("model_name", pa.string()),      # the model folder as the user named it
+    ("n_layers", pa.int64()),
+    ("method", pa.string()),          # sft | orpo | orpo-shared (planner.method_key)
+    ("node_class", pa.string()),      # chip/<budget>GB
+    ("node", pa.string()),
+    ("chip", pa.string()),
+    ("budget_gb", pa.float64()),
+    ("lora_rank", pa.int64()),
+    ("lora_layers", pa.int64()),
+    ("lora_keys", pa.string()),       # JSON list, "" = every linear
+    ("head_chunk", pa.int64()),
+    ("attn_block", pa.int64()),
+    ("seq_len", pa.int64()),
+    ("segment_size", pa.int64()),
+    ("fits", pa.bool_()),             # False: the memory guard stopped it
+    ("peak_gb", pa.float64()),        # highest step peak (not fitting: the peak it was stopped at)
+    ("phases", pa.list_(pa.string())),
+    ("phase_peaks", pa.list_(pa.float64())),   # each phase's own peak, highest over the steps
+    ("step_s", pa.float64()),         # median seconds per step after the first
+    ("steps", pa.int64()),
+    ("message", pa.string()),
+])
+PLAN_TABLE = "plan"
+
 # The engine event whose rows fill a table (the attempts row comes from the head).
 TABLE_EVENT = {"steps": "step", "evals": "eval"}
 
@@ -81,6 +112,12 @@ KEEP_CHECKPOINTS = 3
 def telemetry_file(table: str, sweep: str, attempt: int) -> str:
     """Path of one attempt's file of a dataset, relative to the stores root."""
     return f"{TELEMETRY}/{table}/sweep={sweep}/attempt-{attempt}.parquet"
+
+
+def plan_file(model_key: str, tune: str, node: str, seq_len: int, segment_size: int) -> str:
+    """Path of one probe point's row, relative to the stores root."""
+    return (f"{TELEMETRY}/{PLAN_TABLE}/model={model_key}/"
+            f"{tune}-{node}-L{seq_len}-s{segment_size}.parquet")
 
 
 def memory_array(sweep: str, trial: str, attempt: int) -> str:

@@ -1,0 +1,63 @@
+"""Run a tune's probe points on this node: one fresh engine process
+(`python -m node.worker --probe`) walks them, and each point's measurement goes to
+the head the moment it exists, so a probe run that dies keeps what it measured.
+
+No Ray here, as in node/attempt.py: the agent passes in how to reach the head.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from schemas.records import ProbeSpec
+
+from .attempt import Running, _last, _worker_env
+
+
+def run_probes(spec: ProbeSpec, work: Path, *, send: Callable[[dict], None],
+               model_dir: Callable[[str], str] = lambda path: path,
+               running: Running | None = None, python: str = sys.executable) -> dict:
+    """Returns {"measured": n, "error": message or ""}."""
+    running = running or Running()
+    folder = work / f"probe-{id(spec)}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    local = spec.model_copy(update={"model": model_dir(spec.model)})
+    (folder / "probe.json").write_text(local.model_dump_json())
+    cmd = [python, "-m", "node.worker", "--probe", str(folder / "probe.json")]
+    with running.lock:
+        if running.cancelled:
+            return {"measured": 0, "error": "cancelled"}
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=folder, env=_worker_env())
+        running.proc = proc
+    stderr: list[str] = []
+    drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
+        "utf-8", "replace").splitlines()[-20:]), daemon=True)
+    drain.start()
+    measured, error = 0, ""
+    for raw in proc.stdout:
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            continue
+        if event.get("event") == "probe":
+            send(event)
+            measured += 1
+        elif event.get("event") == "error":
+            error = event["message"]
+    code = proc.wait()
+    drain.join(timeout=5)
+    proc.stdin.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    if running.cancelled:
+        error = "cancelled"
+    elif code and not error:
+        error = _last(stderr) or f"probe process exited with {code}"
+    return {"measured": measured, "error": error}
