@@ -72,8 +72,10 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
 
 def synthetic_row(method: str, seq_len: int, vocab: int, prefix_shared: bool, rng: random.Random):
     """A row that puts exactly `seq_len` tokens through the layers (the planner's
-    sequence length, orchestrator/planner.row_tokens): SFT a quarter prompt, ORPO
-    prompt + chosen + rejected (prefix-shared) or prompt + the longer branch."""
+    sequence length, orchestrator/planner.row_tokens): SFT every token supervised
+    (the most the loss head can be asked to read: the planner's worst case), ORPO a
+    third each of prompt, chosen and rejected (prefix-shared) or a prompt and two
+    responses of half the length each (two branches)."""
     def ids(n):
         return [rng.randrange(3, vocab) for _ in range(n)]
     if method == "orpo":
@@ -84,4 +86,4 @@ def synthetic_row(method: str, seq_len: int, vocab: int, prefix_shared: bool, rn
             prompt = max(1, seq_len // 2)
             response = seq_len - prompt
         return PreferenceExample(prompt=ids(prompt), chosen=ids(response), rejected=ids(response))
-    return Example(ids=ids(seq_len), prompt_len=seq_len // 4)
+    return Example(ids=ids(seq_len), prompt_len=0)
