@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from engine.data import Example, PreferenceExample
 from engine.demo import demo_examples, write_model

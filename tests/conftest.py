@@ -46,6 +46,33 @@ def assert_one_line_error(proc, *fragments, code=2):
     return err
 
 
+def letter_model(root: Path, n_train: int, n_valid: int, words: tuple[int, int]) -> None:
+    """ROOT/model (qwen3, 4 layers x 64) and ROOT/data/{train,valid}.jsonl of long
+    prompt/completion rows: letters counting on from a start letter, `words`
+    letters each (one token per letter), so a segment's activations dominate
+    the peak."""
+    import json
+    import random
+    import string
+
+    from engine.demo import write_model
+
+    def rows(n, seed):
+        r = random.Random(seed)
+        out = []
+        for _ in range(n):
+            s, k = r.randrange(26), r.randrange(*words)
+            out.append({"prompt": f"after {string.ascii_lowercase[s]}", "completion": " ".join(
+                string.ascii_lowercase[(s + i) % 26] for i in range(k))})
+        return out
+    train, valid = rows(n_train, 1), rows(n_valid, 2)
+    write_model(root / "model", "qwen3", corpus=[f"{r['prompt']} {r['completion']}" for r in train],
+                seed=1, layers=4, hidden=64)
+    (root / "data").mkdir()
+    for name, rs in (("train", train), ("valid", valid)):
+        (root / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+
+
 def edit_job(path: Path, **sections) -> Path:
     """Rewrite keys of a job file: edit_job(p, train={"iters": 4}, output="x")."""
     job = yaml.safe_load(path.read_text())

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import string
 import subprocess
 import sys
 import time
@@ -24,20 +22,9 @@ import yaml
 
 from node.raynode import alive
 
-from .conftest import assert_one_line_error, cli_env, segctl
+from .conftest import assert_one_line_error, cli_env, letter_model, segctl
 
 PORT = 6471
-
-
-def _rows(n: int, seed: int) -> list[dict]:
-    """Long rows (~300-400 tokens), so a segment's activations dominate the peak."""
-    r = random.Random(seed)
-    out = []
-    for _ in range(n):
-        s, k = r.randrange(26), r.randrange(300, 400)
-        out.append({"prompt": f"after {string.ascii_lowercase[s]}",
-                    "completion": " ".join(string.ascii_lowercase[(s + i) % 26] for i in range(k))})
-    return out
 
 
 def _peak(root: Path, seg: int) -> float:
@@ -53,14 +40,8 @@ def _peak(root: Path, seg: int) -> float:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from engine.demo import write_model
     root = tmp_path_factory.mktemp("fleet")
-    train, valid = _rows(40, 1), _rows(6, 2)
-    write_model(root / "model", "qwen3", corpus=[f"{r['prompt']} {r['completion']}" for r in train],
-                seed=1, layers=4, hidden=64)
-    (root / "data").mkdir()
-    for name, rows in (("train", train), ("valid", valid)):
-        (root / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    letter_model(root, 40, 6, words=(300, 400))   # ~300-400 tokens a row
     peaks = {seg: _peak(root, seg) for seg in (1, 4)}
     assert peaks[4] > 1.5 * peaks[1], peaks
     small = round((peaks[1] + peaks[4]) / 2, 4)   # seg 1 fits, seg 4 does not

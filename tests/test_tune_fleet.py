@@ -10,8 +10,6 @@ test, decides which probes "do not fit".
 from __future__ import annotations
 
 import json
-import random
-import string
 import time
 from pathlib import Path
 
@@ -21,37 +19,21 @@ import yaml
 
 from node.raynode import alive
 
-from .conftest import segctl
+from .conftest import letter_model, segctl
 
 PORT = 6473
 LENGTHS, SIZES = (128, 256, 384), (1, 2, 4)
 
 
-def _rows(n: int, seed: int) -> list[dict]:
-    r = random.Random(seed)
-    out = []
-    for _ in range(n):
-        s, k = r.randrange(26), r.randrange(150, 250)   # ~270 tokens at most
-        out.append({"prompt": f"after {string.ascii_lowercase[s]}",
-                    "completion": " ".join(string.ascii_lowercase[(s + i) % 26] for i in range(k))})
-    return out
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from engine.demo import write_model
     from engine.probe import run_probes
     from orchestrator import planner
     from schemas.job import load_job
     from schemas.records import ProbeSpec
 
     root = tmp_path_factory.mktemp("tune")
-    train, valid = _rows(12, 1), _rows(3, 2)
-    write_model(root / "model", "qwen3", corpus=[f"{r['prompt']} {r['completion']}" for r in train],
-                seed=1, layers=4, hidden=64)
-    (root / "data").mkdir()
-    for name, rows in (("train", train), ("valid", valid)):
-        (root / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    letter_model(root, 12, 3, words=(150, 250))   # ~270 tokens at most
     job = {"name": "base", "model": "model",
            "data": {"train": "data/train.jsonl", "valid": "data/valid.jsonl", "max_seq_length": 512},
            "lora": {"rank": 8}, "train": {"iters": 3, "learning_rate": 1e-4, "val_batches": 1},
