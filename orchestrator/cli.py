@@ -274,6 +274,11 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
     model's leave-one-out error, the segment size `auto` now picks per length,
     and a PNG of peak against segment size with the budget lines. From then on
     `segctl plan` and the head plan this model from the measurements.
+
+    Probe lengths up to your longest rows: plans reach 2x the longest probe, and
+    rows over attn_block (2048) need probes over it; beyond that the planner
+    falls back to its analytic estimate and says so. Ctrl-C stops the probes
+    and keeps what they measured.
     """
     import ray
     from orchestrator import fleet, planner
@@ -315,6 +320,9 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
         ray.get(head.cancel_tune.remote(tid))
         _fail(f"{tid} cancelled: the points measured so far are kept; run the same command "
               "again to measure the rest", 130)
+    except ray.exceptions.RayError as e:   # the head went away under the tune
+        _fail(f"{tid}: lost the head ({type(e).__name__}); the points measured so far are "
+              "kept; run the same command again to measure the rest", ev.EXIT_INTERNAL)
     seconds = time.time() - tic
     margin = spec.planner.margin if spec else 0.15
     rep = tuning.report(root, req, tjob, info, margin=margin)
