@@ -74,19 +74,12 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
             (ckpt / name).write_bytes(blob)
     (folder / "job.json").write_text(json.dumps(job))
 
-    cmd = [python, "-m", "node.worker", str(folder / "job.json")] + (["--resume"] if resume else [])
-    with running.lock:
-        if running.cancelled:
-            return AttemptResult(attempt=spec.attempt, outcome="cancelled", message="cancelled")
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=folder, env=_worker_env())
-        running.proc = proc
+    started = start_worker([str(folder / "job.json")] + (["--resume"] if resume else []), folder,
+                           running, python)
+    if started is None:
+        return AttemptResult(attempt=spec.attempt, outcome="cancelled", message="cancelled")
+    proc, stderr, drain = started
     on_started(proc.pid, time.time())
-
-    stderr: list[str] = []
-    drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
-        "utf-8", "replace").splitlines()[-20:]), daemon=True)
-    drain.start()
 
     seq, batch, last_flush = 0, [], time.monotonic()
     end = err = None
@@ -151,6 +144,24 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     if outcome in ("succeeded", "cancelled"):
         shutil.rmtree(folder, ignore_errors=True)
     return AttemptResult(outcome=outcome, message=message, **result)
+
+
+def start_worker(args: list[str], cwd: Path, running: Running, python: str):
+    """`python -m node.worker ARGS` in `cwd`, registered with `running` so a cancel
+    reaches it: (process, its last stderr lines as they are read, the thread reading
+    them); None when `running` was cancelled before it started."""
+    with running.lock:
+        if running.cancelled:
+            return None
+        proc = subprocess.Popen([python, "-m", "node.worker", *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                                env=_worker_env())
+        running.proc = proc
+    stderr: list[str] = []
+    drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
+        "utf-8", "replace").splitlines()[-20:]), daemon=True)
+    drain.start()
+    return proc, stderr, drain
 
 
 def _read_files(folder: Path, names=None) -> dict[str, bytes]:

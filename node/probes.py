@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Callable
 
 from schemas.records import ProbeSpec
 
-from .attempt import Running, _last, _worker_env
+from .attempt import Running, _last, start_worker
 
 
 def run_probes(spec: ProbeSpec, work: Path, *, send: Callable[[dict], None],
@@ -30,17 +28,10 @@ def run_probes(spec: ProbeSpec, work: Path, *, send: Callable[[dict], None],
     folder.mkdir(parents=True)
     local = spec.model_copy(update={"model": model_dir(spec.model)})
     (folder / "probe.json").write_text(local.model_dump_json())
-    cmd = [python, "-m", "node.worker", "--probe", str(folder / "probe.json")]
-    with running.lock:
-        if running.cancelled:
-            return {"measured": 0, "error": "cancelled"}
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=folder, env=_worker_env())
-        running.proc = proc
-    stderr: list[str] = []
-    drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
-        "utf-8", "replace").splitlines()[-20:]), daemon=True)
-    drain.start()
+    started = start_worker(["--probe", str(folder / "probe.json")], folder, running, python)
+    if started is None:
+        return {"measured": 0, "error": "cancelled"}
+    proc, stderr, drain = started
     measured, error = 0, ""
     for raw in proc.stdout:
         try:

@@ -281,7 +281,7 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
     and keeps what they measured.
     """
     import ray
-    from orchestrator import fleet, planner
+    from orchestrator import fleet, measured, planner
     from orchestrator import tune as tuning
     from schemas.job import load_job
     job = _load(load_job, job_file) if job_file else None
@@ -325,13 +325,13 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
               "kept; run the same command again to measure the rest", ev.EXIT_INTERNAL)
     seconds = time.time() - tic
     margin = spec.planner.margin if spec else 0.15
-    rep = tuning.report(root, req, tjob, info, margin=margin)
+    rows = measured.read_plan(root, req["model_key"])
+    fitted = measured.models_of(rows)
+    rep = tuning.report(req, tjob, info, rows, fitted, margin=margin)
     rep.update(tune=tid, seconds=round(seconds, 1), measured=todo, reused=reused,
                failed={c: v["error"] for c, v in status["classes"].items() if v["error"]})
-    from orchestrator.measured import models_of, read_plan
     path = plot_path or root / "tune" / f"{req['model_name'].replace('/', '-')}-{req['method_key']}.png"
-    rep["plot"] = str(tuning.plot(rep, Path(path), info.n_layers,
-                                  models_of(read_plan(root, req["model_key"])), tjob))
+    rep["plot"] = str(tuning.plot(rep, Path(path), info.n_layers, fitted, tjob))
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:

@@ -90,12 +90,11 @@ def wait(get_status, on_change, poll_s: float = 0.5) -> dict:
         time.sleep(poll_s)
 
 
-def report(root: Path, req: dict, job: JobSpec, info: planner.ModelInfo, *,
+def report(req: dict, job: JobSpec, info: planner.ModelInfo, rows: list[dict], fitted: dict, *,
            margin: float) -> dict:
-    """Per class: the measured points, the fitted model's leave-one-out error and,
-    per sequence length, what `auto` plans now (fastest size that fits)."""
-    rows = measured.read_plan(root, req["model_key"])
-    fitted = measured.models_of(rows)
+    """Per class: the measured points (`rows`, the model's plan table), the fitted
+    model's leave-one-out error and, per sequence length, what `auto` plans now
+    (the fastest size that fits)."""
     out = []
     for cls, c in req["classes"].items():
         mk = planner.tune_key(job, cls)
