@@ -19,7 +19,8 @@ scope response and lambda 0.1; `--prefix-shared` runs it as one sequence.
 `--impl mlx-lm-lora` times mlx-lm-lora's ORPO trainer step on the same pair
 (bench/orpo_ref.py; the same loss in our notation).
 
-`--arch gemma4_text` builds a Gemma-4-like model (bench_model says which shape).
+`--arch gemma4_text` and `--arch gemma3_text` build Gemma-4- and Gemma-3-like models
+(gemma4_config and gemma3_config say which shapes).
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
         cfg.update(scale_emb=12.0, dim_model_base=256, scale_depth=1.4)
     if arch == "gemma4_text":
         cfg = gemma4_config(layers, dim, vocab)
+    if arch == "gemma3_text":
+        cfg = gemma3_config(layers, dim, vocab)
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    if arch == "gemma3_text":  # tied, as its checkpoints load (sanitize drops lm_head)
+        model.pop("lm_head")
+        model.tie_word_embeddings = True
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     mx.random.seed(seed + 1)
@@ -74,6 +80,16 @@ def gemma4_config(layers: int, dim: int, vocab: int) -> dict:
                 hidden_size_per_layer_input=256, num_kv_shared_layers=(20 * layers) // 35,
                 sliding_window=512, sliding_window_pattern=5, final_logit_softcapping=30.0,
                 max_position_embeddings=131072, tie_word_embeddings=True)
+
+
+def gemma3_config(layers: int, dim: int, vocab: int) -> dict:
+    """Gemma-3-4B-like at (layers=34, dim=2560, vocab=262144): 8 query heads of 256
+    over 4 K/V heads, 5 sliding (window 1024) to 1 full, intermediate 4 x dim."""
+    return dict(model_type="gemma3_text", hidden_size=dim, num_hidden_layers=layers,
+                intermediate_size=4 * dim, num_attention_heads=8, num_key_value_heads=4,
+                head_dim=256, rms_norm_eps=1e-6, vocab_size=vocab, rope_theta=1e6,
+                rope_local_base_freq=1e4, query_pre_attn_scalar=256, sliding_window=1024,
+                sliding_window_pattern=6, max_position_embeddings=131072)
 
 
 def run(args) -> dict:

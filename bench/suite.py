@@ -4,9 +4,12 @@ grad_checkpoint patches a class for the whole process), side by side in one run.
     python -m bench.suite cpu   > bench/results/cpu.jsonl
     python -m bench.suite h200 2048,8192 >> bench/results/h200.jsonl
     python -m bench.suite cpu-orpo | h200-orpo | cpu-gemma4 | h200-gemma4
+    python -m bench.suite cpu-windows --baseline /tmp/segctl-before > bench/results/cpu-windows.jsonl
 
 Each row is printed as it lands; a configuration that fails prints a row with
-"error" instead of stopping the suite.
+"error" instead of stopping the suite. `--baseline DIR` (a checkout of another
+commit) runs every configuration there too, right after this tree's, each row
+tagged `code`: "this" or "baseline".
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ GEMMA4_COMPARE = [
     dict(impl="segctl", mode="segmented", segment_size=5, attn_block=2048),
 ]
 
+# Sliding-window layers: mlx-lm's grad_checkpoint against ours at the job defaults;
+# on the CPU ours against a baseline checkout (--baseline) whose window layers take
+# dense [L, L] masks.
+GEMMA4_WIN_CPU = dict(arch="gemma4_text", layers=10, dim=256, vocab=32000, dtype="float32",
+                      steps=2)
+GEMMA3_4B = dict(arch="gemma3_text", layers=34, dim=2560, vocab=262144, dtype="bfloat16",
+                 steps=3)
+WINDOWS = [dict(impl="mlx-lm", mode="checkpoint"),
+           dict(impl="segctl", mode="segmented", segment_size=1, attn_block=2048, phases=True)]
+
 PLANS = {
     "cpu-orpo": [dict(CPU, seq=1024, **c) for c in ORPO_COMPARE + ORPO_PLAIN],
     "cpu-gemma4": [dict(GEMMA4_CPU, seq=1024, **c) for c in GEMMA4_COMPARE],
@@ -74,6 +87,11 @@ PLANS = {
     "h200-gemma4": [dict(GEMMA4_E2B, seq=seq, **c) for seq in (2048, 8192)
                     for c in GEMMA4_COMPARE[:4]],
     "cpu": [dict(CPU, seq=1024, **c) for c in COMPARE + BLOCKED[2:4]],
+    "cpu-windows": [dict(GEMMA4_WIN_CPU, seq=seq, impl="segctl", mode="segmented",
+                         segment_size=1, attn_block=block)
+                    for seq, block in ((1024, 0), (2048, 0), (2048, 1024), (4096, 1024))],
+    "h200-windows": [dict(GEMMA4_E2B, seq=8192, **c) for c in WINDOWS] +
+                    [dict(GEMMA3_4B, seq=seq, **c) for seq in (8192, 16384) for c in WINDOWS],
     # the job defaults (segment_size 1, head_chunk 512, attn_block 2048) vs mlx-lm
     "h200-default": [dict(QWEN3_06B, seq=seq, **c) for seq in (2048, 8192, 16384)
                      for c in (dict(impl="mlx-lm", mode="checkpoint"),
@@ -97,24 +115,33 @@ def argv_of(cfg: dict) -> list[str]:
     return out
 
 
-def main(plan: str, seqs: list[int] | None = None):
+def main(plan: str, seqs: list[int] | None = None, baseline: str | None = None):
     for cfg in PLANS[plan]:
         if seqs and cfg["seq"] not in seqs:
             continue
-        tic = time.time()
-        proc = subprocess.run([sys.executable, "-m", "bench.engine", *argv_of(cfg)],
-                              capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-        if proc.returncode == 0 and lines:
-            row = json.loads(lines[-1])
-        else:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            row = dict(cfg, error=tail[0], rc=proc.returncode)
-        row["wall_s"] = round(time.time() - tic, 1)
-        print(json.dumps(row), flush=True)
+        for code, tree in [("this", None)] + ([("baseline", baseline)] if baseline else []):
+            # `-m` puts the working directory first on sys.path: the tree's own code runs.
+            tic = time.time()
+            proc = subprocess.run([sys.executable, "-m", "bench.engine", *argv_of(cfg)],
+                                  capture_output=True, text=True, cwd=tree)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+            if proc.returncode == 0 and lines:
+                row = json.loads(lines[-1])
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                row = dict(cfg, error=tail[0], rc=proc.returncode)
+            if baseline:
+                row["code"] = code
+            row["wall_s"] = round(time.time() - tic, 1)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
-    # python -m bench.suite PLAN [SEQ,SEQ...]
-    main(sys.argv[1] if len(sys.argv) > 1 else "cpu",
-         [int(s) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else None)
+    # python -m bench.suite PLAN [SEQ,SEQ...] [--baseline DIR]
+    argv = sys.argv[1:]
+    base = None
+    if "--baseline" in argv:
+        k = argv.index("--baseline")
+        base, argv = argv[k + 1], argv[:k] + argv[k + 2:]
+    main(argv[0] if argv else "cpu", [int(s) for s in argv[1].split(",")] if len(argv) > 1 else None,
+         base)

@@ -1,4 +1,5 @@
-"""A layer backward whose attention holds one block of queries' scores at a time.
+"""Attention under block masks (prefix-shared rows, sliding windows), and a layer
+backward whose attention holds one block of queries' scores at a time.
 
 MLX's attention backward materialises the whole [H, L, L] score matrix and its
 gradient for a layer: at 16K tokens that one transient is ~27 GB on a
@@ -7,25 +8,42 @@ blocks cannot be bounded inside one vjp (arrays evaluated while a transform
 traces keep their graphs), so a layer's backward runs in two passes:
 
 1. record: vjp of the layer with attention swapped for a function that records
-   its q, k, v and the incoming cotangent dO (and passes zeros back);
+   its q, k, v (and sinks) and the incoming cotangent dO (and passes zeros back);
 2. outside any transform, dq, dk, dv are computed one block of `block` query
    rows at a time, each block evaluated (and its scores freed) before the next;
    a block of causal attention needs only the keys up to its last row;
 3. replay: vjp of the layer again, attention now handing back those dq, dk, dv.
 
 The swap replaces the `scaled_dot_product_attention` name that mlx-lm's model
-modules call, only inside `_swapped`, and restores it on exit: nothing leaks to
-other models in the process.
+modules call, only inside `swapped_sdpa`, and restores it on exit: nothing leaks
+to other models in the process.
 
-Prefix-shared ORPO runs [prompt P | chosen | rejected] as one sequence in which
-rejected rows must not see chosen columns. Its mask is a `BlockMask`, not an
-[L, L] array: an array mask makes MLX's attention unfused and holds [H, L, L]
-scores per layer (13.9 GB against 4.6 GB two-branch at 8K on the H200,
-bench/results/h200-orpo-v0-densemask.jsonl). Its attention is two causal calls
-instead, each fused where MLX fuses: prompt+chosen rows over their own keys, and
-rejected rows over [prompt | rejected] keys, where "causal" (lower-right
-aligned) is exactly "the whole prompt and the rejected tokens so far". With a
-sliding window the calls take window masks over positions, as mlx-lm's do.
+Masks that are not plain causal are `BlockMask`s, not [L, L] arrays: an array
+mask makes MLX's attention unfused and holds [H, L, L] scores per layer (13.9 GB
+against 4.6 GB two-branch at 8K on the H200,
+bench/results/h200-orpo-v0-densemask.jsonl), and a block of it still spans every
+key from 0. A BlockMask is cut into sdpa calls over sliced keys, each with a
+"causal" string mask where that is exact and otherwise a boolean mask over its
+own rectangle only:
+
+- Prefix-shared ORPO runs [prompt P | chosen | rejected] as one sequence in which
+  rejected rows must not see chosen columns and restart at position P. Its
+  attention is two causal calls, each fused where MLX fuses: prompt+chosen rows
+  over their own keys, and rejected rows over [prompt | rejected] keys, where
+  "causal" (lower-right aligned) is exactly "the whole prompt and the rejected
+  tokens so far".
+- A sliding window w (mlx-lm's: key k is seen from query q iff k <= q and
+  q - k < w, on positions) cuts the rows into blocks of `rows` (default_rows);
+  rows [i, j) take only the keys [i - w + 1, j), so the forward, its recomputes
+  and the blocked backward touch at most rows + w - 1 keys per row: linear in L,
+  where mlx-lm's dense [L, L] window mask is quadratic. On the rejected side the
+  window reaches back over positions, into the prompt's last keys.
+
+Only layers whose attention calls an mlx-lm module's `scaled_dot_product_attention`
+can take a BlockMask (`takes_block_masks`); attention written by hand keeps
+array masks. Every row sees all its keys in one call, so attention sinks (a
+per-head logit in the softmax denominator only) pass to each call unchanged, and
+the blocked backward returns their gradient too.
 """
 
 from __future__ import annotations
@@ -39,51 +57,109 @@ import mlx.core as mx
 
 @dataclass(frozen=True)
 class BlockMask:
-    """The attention mask of [prompt | chosen | rejected] rows: rows before `split`
+    """A causal mask cut into sdpa calls over sliced keys.
+
+    With `split`, the rows are [prompt | chosen | rejected]: rows before `split`
     are plain causal; rows from `split` on see the first `prompt` keys and the
-    rejected keys up to themselves, at positions restarting at `prompt`."""
-    prompt: int
-    split: int
+    rejected keys up to themselves, at positions restarting at `prompt`. Without
+    it, row i is position i. `window` limits every row to the keys whose position
+    is less than `window` behind its own; windowed rows go `rows` at a time."""
+    prompt: int = 0
+    split: int | None = None
     window: int | None = None
+    rows: int | None = None
 
     def part(self, i: int, j: int):
         """(key ranges, mask) for query rows [i, j), all on one side of `split`."""
-        if j <= self.split:
-            ranges, q0 = [(0, j)], i
+        w = self.window
+        if self.split is None or j <= self.split:
+            q0 = i
+            first = max(0, i - w + 1) if w else 0
+            ranges = [(first, j)]
         else:
-            ranges, q0 = [(0, self.prompt), (self.split, j)], self.prompt + i - self.split
-        n_keys = sum(b - a for a, b in ranges)
-        if not self.window or q0 + (j - i) <= self.window:
+            q0 = self.prompt + i - self.split
+            first = max(0, q0 - w + 1) if w else 0  # the first position any row sees
+            ranges = ([(first, self.prompt)] if first < self.prompt else []) + \
+                [(self.split + max(0, first - self.prompt), j)]
+        # The keys hold positions first, first + 1, ..., the last one row j-1's own.
+        n = sum(b - a for a, b in ranges)
+        if not w or n <= w:
             return ranges, "causal"
         q = mx.arange(q0, q0 + j - i)[:, None]
-        k = mx.arange(n_keys)[None, :]
-        return ranges, (k <= q) & (q - k < self.window)
+        k = mx.arange(first, first + n)[None, :]
+        return ranges, (k <= q) & (q - k < w)
 
     def parts(self, i: int, j: int):
-        """part() of [i, j), cut at `split` when the rows span it."""
-        cuts = [i] + ([self.split] if i < self.split < j else []) + [j]
-        return [(a, b, *self.part(a, b)) for a, b in zip(cuts, cuts[1:])]
+        """part() of rows [i, j), cut at `split` and, windowed, into `rows`-row blocks."""
+        cuts = [i] + ([self.split] if self.split is not None and i < self.split < j else []) + [j]
+        step = (self.rows or default_rows(self.window)) if self.window else None
+        out = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            for a in range(lo, hi, step or hi - lo):
+                b = min(a + step, hi) if step else hi
+                out.append((a, b, *self.part(a, b)))
+        return out
+
+    def array(self, n: int) -> mx.array:
+        """The same mask as an [n, n] boolean array, for attention written by hand."""
+        idx = mx.arange(n)
+        m = idx[None, :] <= idx[:, None]
+        pos = idx
+        if self.split is not None:
+            rejected = idx >= self.split
+            chosen = (idx >= self.prompt) & ~rejected
+            m = m & ~(rejected[:, None] & chosen[None, :])
+            pos = mx.where(rejected, idx - self.split + self.prompt, idx)
+        return m & (pos[:, None] - pos[None, :] < self.window) if self.window else m
 
 
-def attend(q, k, v, scale, mask):
+def default_rows(window: int) -> int:
+    """Query rows per call of a windowed BlockMask. A call of r rows reads r + w - 1
+    keys per row, so fewer rows cost less, down to what a call itself costs. On
+    the CPU that is negligible: Gemma-4-like window layers (w 512, 2K tokens) ran
+    their forward and blocked backward ~20% faster at w/4 rows than at w. A GPU
+    call launches several kernels, so there a block is a whole window (not yet
+    measured)."""
+    if mx.default_device() == mx.cpu:
+        return max(64, window // 4)
+    return window
+
+
+def attend(q, k, v, scale, mask, sinks=None):
     """Attention of q over k, v under `mask`, a BlockMask included."""
     if not isinstance(mask, BlockMask):
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    outs = []
-    for i, j, ranges, m in mask.parts(0, q.shape[2]):
-        kk, vv = _gather(k, ranges), _gather(v, ranges)
-        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, i:j], kk, vv, scale=scale, mask=m))
-    return mx.concatenate(outs, axis=2)
+        return _sdpa(q, k, v, scale, mask, sinks)
+    outs = [_sdpa(q[:, :, i:j], _gather(k, ranges), _gather(v, ranges), scale, m, sinks)
+            for i, j, ranges, m in mask.parts(0, q.shape[2])]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def _sdpa(q, k, v, scale, mask, sinks):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 def block_mask_sdpa(original):
     """An mlx-lm `scaled_dot_product_attention` that also takes a BlockMask."""
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(mask, BlockMask):
-            _check(cache, sinks)
-            return attend(queries, keys, values, scale, mask)
+            _check(cache)
+            return attend(queries, keys, values, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     return sdpa
+
+
+def takes_block_masks(layer) -> bool:
+    """Whether `layer`'s attention calls an mlx-lm module's `scaled_dot_product_attention`
+    (so that inside swapped_sdpa it takes a BlockMask); attention written by hand
+    (Gemma-2's soft-capped scores) needs array masks."""
+    named = layer.named_modules()
+    attention = [m for name, m in named if name.rsplit(".", 1)[-1].endswith(("attn", "attention"))]
+    return bool(_sdpa_modules(attention or [m for _, m in named]))
+
+
+def _sdpa_modules(modules) -> set:
+    found = {sys.modules[type(m).__module__] for m in modules}
+    return {m for m in found if hasattr(m, "scaled_dot_product_attention")}
 
 
 def _gather(x, ranges):
@@ -102,9 +178,9 @@ def layer_vjp(layer, fn, primals: list, cotangents: list, block: int) -> list:
         _, cots = mx.vjp(fn, primals, cotangents)
     if "q" not in box:  # no attention was swapped, so the record pass is the plain vjp
         return cots
-    q, k, v, d_out = box["q"], box["k"], box["v"], box["d_out"]
-    mx.eval(q, k, v, d_out)
-    grads = _blocked_grads(q, k, v, d_out, box["mask"], box["scale"], block)
+    mx.eval(box["q"], box["k"], box["v"], box["sinks"], box["d_out"])
+    grads = _blocked_grads(box["q"], box["k"], box["v"], box["d_out"], box["mask"],
+                           box["scale"], block, box["sinks"])
     box.clear()
     with _swapped(layer, _replaying(grads)):
         _, cots = mx.vjp(fn, primals, cotangents)
@@ -112,17 +188,15 @@ def layer_vjp(layer, fn, primals: list, cotangents: list, block: int) -> list:
 
 
 @contextmanager
-def _swapped(layer, sdpa):
-    with swapped_sdpa([layer], lambda original: sdpa):
+def _swapped(layer, make):
+    with swapped_sdpa([layer], make):
         yield
 
 
 @contextmanager
 def swapped_sdpa(layers, make):
     """Within the block, the model modules of `layers` call make(their sdpa)."""
-    modules = {sys.modules[type(m).__module__] for layer in layers
-               for _, m in layer.named_modules()}
-    modules = {m for m in modules if hasattr(m, "scaled_dot_product_attention")}
+    modules = _sdpa_modules(m for layer in layers for _, m in layer.named_modules())
     saved = {m: m.scaled_dot_product_attention for m in modules}
     try:
         for m in modules:
@@ -133,16 +207,17 @@ def swapped_sdpa(layers, make):
             m.scaled_dot_product_attention = original
 
 
-def _check(cache, sinks):
-    if cache is not None or sinks is not None:
-        raise ValueError("blockwise attention backward supports no cache and no sinks")
+def _check(cache):
+    if cache is not None:
+        raise ValueError("block masks and the blockwise attention backward take no cache")
 
 
 def _recording(box):
     def record(primals, cotangent, mask, scale):
-        q, k, v = primals
-        box.update(q=q, k=k, v=v, d_out=_first(cotangent), mask=mask, scale=scale)
-        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+        q, k, v, *sinks = primals
+        box.update(q=q, k=k, v=v, sinks=sinks[0] if sinks else None, d_out=_first(cotangent),
+                   mask=mask, scale=scale)
+        return tuple(mx.zeros_like(x) for x in primals)
     return _with_vjp(record)
 
 
@@ -151,43 +226,64 @@ def _replaying(grads):
 
 
 def _with_vjp(backward):
-    """An sdpa with the fused forward and `backward` as its vjp."""
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-        _check(cache, sinks)
+    """make(original sdpa) -> an sdpa with the fused forward and `backward` as its
+    vjp, for the calls whose gradient flows through q, k, v (and sinks) only.
+    Other calls keep the original and its own autodiff, in the record and the
+    replay pass alike, so the layer's gradient stays exact: a cache, or an
+    additive float mask (mlx-lm's MLA passes its position scores as the mask,
+    and those carry gradients to the layer's weights)."""
+    def make(original):
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            if not _blockable(cache, mask):
+                return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                                sinks=sinks)
 
-        @mx.custom_function
-        def attn(q, k, v):
-            return attend(q, k, v, scale, mask)
+            @mx.custom_function
+            def attn(q, k, v, *sink):
+                return attend(q, k, v, scale, mask, *sink)
 
-        @attn.vjp
-        def attn_vjp(primals, cotangent, output):
-            return backward(primals, cotangent, mask, scale)
+            @attn.vjp
+            def attn_vjp(primals, cotangent, output):
+                return backward(primals, cotangent, mask, scale)
 
-        return attn(queries, keys, values)
-    return sdpa
+            # Sinks go in as an input so that their gradient is exact too.
+            return attn(queries, keys, values, *([] if sinks is None else [sinks]))
+        return sdpa
+    return make
+
+
+def _blockable(cache, mask) -> bool:
+    if cache is not None:
+        return False
+    return mask is None or isinstance(mask, (str, BlockMask)) or (
+        isinstance(mask, mx.array) and mask.dtype == mx.bool_)
 
 
 def _first(x):
     return x[0] if isinstance(x, (list, tuple)) else x
 
 
-def _blocked_grads(q, k, v, d_out, mask, scale, block):
+def _blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None):
     L, S = q.shape[2], k.shape[2]
     dq_blocks = []
     dk = mx.zeros(k.shape, dtype=mx.float32)
     dv = mx.zeros(v.shape, dtype=mx.float32)
+    extra = [] if sinks is None else [sinks]
+    d_sinks = [mx.zeros(s.shape, dtype=mx.float32) for s in extra]
     for i in range(0, L, block):
         j = min(i + block, L)
         for a, b, ranges, m in _block_parts(mask, i, j, L, S):
-            _, (dqb, dkb, dvb) = mx.vjp(
-                lambda x, y, z: [mx.fast.scaled_dot_product_attention(x, y, z, scale=scale,
-                                                                      mask=m)],
-                [q[:, :, a:b], _gather(k, ranges), _gather(v, ranges)], [d_out[:, :, a:b]])
+            _, (dqb, dkb, dvb, *dsb) = mx.vjp(
+                lambda x, y, z, *s: [_sdpa(x, y, z, scale, m, s[0] if s else None)],
+                [q[:, :, a:b], _gather(k, ranges), _gather(v, ranges), *extra],
+                [d_out[:, :, a:b]])
             dk = _add_ranges(dk, dkb, ranges)
             dv = _add_ranges(dv, dvb, ranges)
-            mx.eval(dqb, dk, dv)
+            d_sinks = [acc + g.astype(mx.float32) for acc, g in zip(d_sinks, dsb)]
+            mx.eval(dqb, dk, dv, d_sinks)
             dq_blocks.append(dqb)
-    return mx.concatenate(dq_blocks, axis=2), dk.astype(k.dtype), dv.astype(v.dtype)
+    return (mx.concatenate(dq_blocks, axis=2), dk.astype(k.dtype), dv.astype(v.dtype),
+            *[g.astype(s.dtype) for g, s in zip(d_sinks, extra)])
 
 
 def _block_parts(mask, i, j, L, S):
@@ -203,10 +299,11 @@ def _block_parts(mask, i, j, L, S):
 
 
 def _add_ranges(acc, part, ranges):
+    # .at[].add updates the evaluated accumulator in place: the cost is the
+    # part's, not the whole array's.
     part = part.astype(acc.dtype)
     at = 0
     for a, b in ranges:
-        piece = part[:, :, at:at + b - a]
+        acc = acc.at[:, :, a:b].add(part[:, :, at:at + b - a])
         at += b - a
-        acc = mx.concatenate([acc[:, :, :a], acc[:, :, a:b] + piece, acc[:, :, b:]], axis=2)
     return acc

@@ -7,7 +7,7 @@ Rows are jsonl in the shapes mlx-lm's LoRA trainer accepts:
 With `mask_prompt` the loss covers only the response (the completion, or the last
 message); the prompt is context.
 
-For ORPO, rows are preference pairs in mlx-lm-lora's ORPO shape:
+For ORPO and DPO, rows are preference pairs in mlx-lm-lora's ORPO shape:
   {"prompt": ..., "chosen": ..., "rejected": ..., "system": ...(optional)}
 prompt is a string (the user's message) or a list of messages ("question" is
 read when "prompt" is absent, as mlx-lm-lora does); chosen and rejected are a
@@ -47,7 +47,7 @@ class DataError(ValueError):
 
 @dataclass
 class Dataset:
-    examples: list  # Example for sft, PreferenceExample for orpo
+    examples: list  # Example for sft, PreferenceExample for orpo and dpo
     truncated: int = 0   # rows cut to max_seq_length (policy "truncate")
     skipped: int = 0     # rows dropped for length (policy "skip")
     path: str = ""
@@ -59,9 +59,10 @@ class Dataset:
 
 def load_dataset(path: str | Path, tokenizer, *, method: str = "sft", mask_prompt: bool = True,
                  max_seq_length: int = 2048, overlong: str = "truncate") -> Dataset:
-    """The rows of a jsonl file as token ids, for the job's `method` ("sft" or
-    "orpo"; orpo rows are preference pairs and `mask_prompt` does not apply)."""
-    if method == "orpo":
+    """The rows of a jsonl file as token ids, for the job's `method` ("sft", "orpo"
+    or "dpo"; orpo and dpo rows are preference pairs and `mask_prompt` does not
+    apply)."""
+    if method in ("orpo", "dpo"):
         return load_preferences(path, tokenizer, max_seq_length=max_seq_length, overlong=overlong)
     if method != "sft":
         raise ValueError(f"unknown method {method!r}")
@@ -156,7 +157,7 @@ def _chat(messages, tokenizer, mask_prompt, where):
 
 def load_preferences(path: str | Path, tokenizer, *, max_seq_length: int = 2048,
                      overlong: str = "truncate") -> Dataset:
-    """ORPO preference pairs. Each branch (prompt + chosen, prompt + rejected) is
+    """Preference pairs (ORPO, DPO). Each branch (prompt + chosen, prompt + rejected) is
     held to max_seq_length by cutting its response's tail ("truncate") or by
     dropping the row ("skip"); a row counts once however many branches were cut."""
     path = Path(path)

@@ -15,8 +15,7 @@ import secrets
 import string
 from pathlib import Path
 
-ARCHS = ("llama", "qwen3", "minicpm", "gemma4_text")
-METHODS = ("sft", "orpo")
+from schemas.job import DEMO_ARCHS as ARCHS, METHODS
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -63,8 +62,8 @@ memory:
   head_chunk: 512
 """
 
-# Per-method parts of JOB_TEMPLATE. ORPO rows carry their own chosen/rejected
-# split, so mask_prompt has no say there; nll_scope plays its part.
+# Per-method parts of JOB_TEMPLATE. ORPO and DPO rows carry their own
+# chosen/rejected split, so mask_prompt has no say there (ORPO: nll_scope plays its part).
 JOB_PARTS = {
     "sft": {"what": "SFT", "data_extra": "  mask_prompt: true\n", "method_section": ""},
     "orpo": {
@@ -74,6 +73,15 @@ JOB_PARTS = {
             "orpo:\n"
             "  lambda: 0.1                  # weight of the odds-ratio term next to the NLL\n"
             "  nll_scope: response          # NLL over the chosen response (or full: prompt too)\n"
+            "  prefix_shared: true          # one forward over [prompt | chosen | rejected]\n"
+        ),
+    },
+    "dpo": {
+        "what": "DPO",
+        "data_extra": "",
+        "method_section": (
+            "dpo:\n"
+            "  beta: 0.1                    # pull toward the reference (the base model, adapter off)\n"
             "  prefix_shared: true          # one forward over [prompt | chosen | rejected]\n"
         ),
     },
@@ -234,6 +242,9 @@ def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: 
     }
     if arch == "gemma4_text":
         return _gemma4_config(common, head_dim=head_dim, layers=layers, vocab_size=vocab_size, bos=bos)
+    if arch in FAMILY_CONFIGS:
+        return {"model_type": arch, **common, "head_dim": head_dim,
+                **FAMILY_CONFIGS[arch](layers=layers, head_dim=head_dim)}
     if arch == "llama":
         return {
             "model_type": "llama",
@@ -272,9 +283,39 @@ def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: 
     }
 
 
-# Small enough that most demo rows run past it (sft rows are 12-27 tokens, a
-# prefix-shared orpo row 15-45), so sliding layers really slide.
-GEMMA4_WINDOW = 16
+# Small enough that most demo rows (12-45 tokens) run past it, so the sliding
+# layers of these families really slide.
+DEMO_WINDOW = 16
+
+# What each family adds to the common config: its own twists set to values that
+# matter (multipliers not 1, soft-caps that bite), and sliding and full layers
+# mixed where the family has both.
+FAMILY_CONFIGS = {
+    "gemma": lambda layers, head_dim: dict(rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "gemma2": lambda layers, head_dim: dict(
+        rms_norm_eps=1e-6, query_pre_attn_scalar=head_dim, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, sliding_window=DEMO_WINDOW, tie_word_embeddings=True),
+    "gemma3_text": lambda layers, head_dim: dict(
+        rms_norm_eps=1e-6, query_pre_attn_scalar=head_dim, sliding_window=DEMO_WINDOW,
+        sliding_window_pattern=2, rope_local_base_freq=10000.0, rope_theta=1e6,
+        tie_word_embeddings=False),
+    "gpt_oss": lambda layers, head_dim: dict(
+        rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=DEMO_WINDOW, swiglu_limit=7.0, tie_word_embeddings=False,
+        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)]),
+    "olmo3": lambda layers, head_dim: dict(
+        rms_norm_eps=1e-6, sliding_window=DEMO_WINDOW, tie_word_embeddings=False,
+        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)]),
+    "granite": lambda layers, head_dim: dict(
+        rms_norm_eps=1e-5, logits_scaling=4.0, attention_multiplier=1.0 / head_dim,
+        embedding_multiplier=6.0, residual_multiplier=0.5, attention_bias=False,
+        mlp_bias=False, tie_word_embeddings=True),
+    "cohere": lambda layers, head_dim: dict(
+        layer_norm_eps=1e-5, logit_scale=0.5, use_qk_norm=True, tie_word_embeddings=True),
+}
+
+
+GEMMA4_WINDOW = DEMO_WINDOW
 
 
 def _gemma4_config(common: dict, *, head_dim: int, layers: int, vocab_size: int, bos: int) -> dict:
@@ -383,10 +424,17 @@ def _set_readout_gain(model, config: dict) -> None:
     row_norm = mx.linalg.norm(head, axis=1).mean().item()
     if config["model_type"] == "minicpm" and not config["tie_word_embeddings"]:
         row_norm /= config["hidden_size"] / config["dim_model_base"]
-    # The final RMSNorm output has norm sqrt(hidden) per unit gain, so a random
-    # direction gives logits of std ~ gain * row_norm.
+    row_norm /= config.get("logits_scaling", 1.0)     # granite divides the logits
+    row_norm *= config.get("logit_scale", 1.0)        # cohere multiplies them
+    # The final norm's output has norm sqrt(hidden) per unit gain, so a random
+    # direction gives logits of std ~ gain * row_norm. Gemma's norms scale by
+    # 1 + weight: a zero weight that still passes the input tells them apart.
     norm = model.model.norm
-    norm.weight = mx.full(norm.weight.shape, LOGIT_SCALE / row_norm, dtype=norm.weight.dtype)
+    gain = LOGIT_SCALE / row_norm
+    zero = mx.zeros(norm.weight.shape, dtype=norm.weight.dtype)
+    norm.weight = zero
+    offset = mx.abs(norm(mx.ones((1, zero.shape[0]), dtype=zero.dtype))).max().item() > 0
+    norm.weight = mx.full(zero.shape, gain - 1.0 if offset else gain, dtype=zero.dtype)
 
 
 # ---------------------------------------------------------------- job
@@ -405,8 +453,8 @@ def write_demo(
 ) -> Path:
     """Create `out_dir` with model/, data/{train,valid}.jsonl, job.yaml and sweep.yaml.
 
-    `method` "sft" writes prompt/completion rows, "orpo" prompt/chosen/rejected
-    rows and an `orpo:` job section. Built in a sibling temp folder and renamed into place, so a failure never
+    `method` "sft" writes prompt/completion rows, "orpo" and "dpo" prompt/chosen/
+    rejected rows and an `orpo:` / `dpo:` job section. Built in a sibling temp folder and renamed into place, so a failure never
     leaves a half-written demo behind. Returns the path of job.yaml.
     """
     out_dir = Path(out_dir)
@@ -421,7 +469,7 @@ def write_demo(
 
     # Disjoint seed streams; the task domain is tiny, so valid measures fit, not
     # generalisation.
-    rows = demo_preferences if method == "orpo" else demo_examples
+    rows = demo_preferences if method in ("orpo", "dpo") else demo_examples
     train = rows(n_train, seed=2 * seed)
     valid = rows(n_valid, seed=2 * seed + 1)
 

@@ -2,13 +2,22 @@
 
 The segmented backward calls the decoder layers one segment at a time, so it needs
 the model as parts: embed -> layers (each with its attention mask) -> final norm ->
-lm head. mlx-lm's model classes do not expose that split, so `model_parts` finds it
-by the names mlx-lm's decoder-only families share (`model.embed_tokens`,
-`model.layers`, `model.norm`) plus the few per-family twists (embedding and head
-scales, Gemma-4's per-layer inputs, logit softcap and K/V sharing), and then
-*checks* the split against the model's own forward on a short input. A model that
-calls its layers some other way fails that check with a one-line error instead of
-training on wrong gradients.
+lm head. mlx-lm's model classes do not expose that split. For the families whose
+forward is `embed -> layer(h, mask) ... -> norm -> head`, `_observe` lets the
+model's own forward say what the parts are: it runs with every layer replaced by
+a tap and mlx-lm's mask maker by a recorder, so the embedding (with whatever scale
+the family applies), each layer's mask (its window, whatever the config calls
+it) and the hand-over from layer to layer are the model's, not a guess. The head
+is the lm_head (or tied embedding) plus the few logit transforms a family adds
+(`_LOGIT_TWISTS`). Gemma-4's per-layer inputs and K/V sharing are cut by hand.
+
+Then the cut is *checked* against the model's own forward on a row longer than
+every window the config declares, so each mask kind the family uses is part of
+the check. A model that calls its layers some other way, changes the hidden
+state between them, builds masks of its own kind, or computes anything we do not
+reproduce fails with a one-line `ModelError` instead of training on a different
+loss. `check_family` runs the same cut on a model built from config.json alone
+(no weights read), so validate, plan and submit refuse such a family up front.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ class ModelParts:
     donors: list[int | None]                    # per layer: j when it attends with layer j's K/V
     layer_inputs: Callable[[mx.array, mx.array], list]  # (ids, embed(ids)) -> one extra per layer
     call: Callable[..., tuple]                  # (i, h, mask, extra=None, shared_kv=None) -> (h, kv)
+    prefix: str = "model.layers"                # the layers' parameter names start so
 
 
 def load_model(path: str | Path):
@@ -83,6 +93,32 @@ def load_model(path: str | Path):
     return model, tokenizer
 
 
+def check_family(path: str | Path) -> None:
+    """Refuse, without reading any weights, a model folder whose architecture cannot
+    be cut into segments: the model is built from config.json with its parameters
+    left unevaluated (MLX is lazy, so this allocates nothing) and cut as training
+    would cut it. The numeric check of the cut needs the weights and runs when the
+    model is loaded (`load_model`). Raises ModelError with one line."""
+    from mlx_lm.utils import _get_classes
+
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except OSError as e:
+        raise ModelError(f"{folder}/config.json: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ModelError(f"{folder}/config.json: not valid JSON ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelError(f"{folder}/config.json: no model_type")
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except (Exception, SystemExit) as e:  # an mlx-lm module that exits on import (olmo)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelError(f"{folder}: model type {config['model_type']}: {msg}") from None
+    model_parts(model, name=str(folder), check=False)
+
+
 def apply_lora(model: nn.Module, *, rank: int, scale: float, dropout: float,
                num_layers: int = -1, keys: list[str] | None = None) -> dict:
     """Freeze the model and put mlx-lm LoRA layers on it; returns the adapter config.
@@ -105,48 +141,194 @@ def apply_lora(model: nn.Module, *, rank: int, scale: float, dropout: float,
 
 
 def model_parts(model: nn.Module, *, name: str = "model", check: bool = True) -> ModelParts:
-    """Cut `model` into `ModelParts`; with `check`, prove the cut against model(ids)."""
-    inner = getattr(model, "model", None)
+    """Cut `model` into `ModelParts`; with `check`, prove the cut against model(ids).
+    A multimodal wrapper (mlx-lm keeps only its language model) is cut through
+    its `language_model`, and still checked against the wrapper's own forward."""
+    text = model
+    if getattr(model, "model", None) is None and hasattr(model, "language_model"):
+        text = model.language_model
+    inner = getattr(text, "model", None)
+    mtype = (getattr(getattr(model, "args", None), "model_type", "")
+             or type(model).__module__.rsplit(".", 1)[-1])
     missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(inner, a)]
     if inner is None or missing:
-        raise ModelError(f"{name}: architecture {getattr(model, 'model_type', '?')} cannot be "
-                         f"cut into segments (no model.{', model.'.join(missing or ['model'])})")
-    if getattr(model.args, "model_type", "") == "gemma4_text":
-        parts = _gemma4_parts(model, inner)
+        raise ModelError(f"{name}: architecture {mtype} cannot be cut into segments "
+                         f"(no model.{', model.'.join(missing or ['model'])})")
+    length = check_length(text)
+    ttype = getattr(getattr(text, "args", None), "model_type", "") or mtype
+    if ttype == "gemma4_text":
+        parts = _gemma4_parts(text, inner)
     else:
-        parts = _plain_parts(model, inner)
+        parts = _plain_parts(text, inner, ttype, name, length)
+    if text is not model:
+        parts.prefix = "language_model.model.layers"
     if check:
-        _check_parts(model, parts, name)
+        _check_parts(model, parts, name, mtype, length, inner.embed_tokens.weight.shape[0])
     return parts
 
 
-def _plain_parts(model, inner) -> ModelParts:
-    # llama / qwen3 / minicpm and the like: layer(h, mask) -> h, no K/V sharing.
-    args = model.args
-    mtype = getattr(args, "model_type", "")
-    embed_scale = float(getattr(args, "scale_emb", 1.0)) if mtype == "minicpm" else 1.0
+# Beyond this many tokens the check does not run the model (a load-time forward
+# of a real model grows with it); masks past it are still the ones the model's
+# own forward asks for, by construction (`_observe`).
+CHECK_CAP = 4096
+
+
+def check_length(model) -> int:
+    """Tokens in the cut check: longer than every window the config declares (up
+    to CHECK_CAP), so each kind of mask a family uses is part of the check."""
+    windows = [w for w in _declared_windows(getattr(model, "args", None)) if w < CHECK_CAP]
+    return max(windows, default=4) + 2
+
+
+def _declared_windows(args) -> list[int]:
+    # Window-like sizes under whatever name the family gives them: sliding_window,
+    # window_size, per-layer lists, chunked attention's chunk size.
+    out = []
+    for key, val in (vars(args).items() if args is not None else ()):
+        k = key.lower()
+        if not ("window" in k or k == "attention_chunk_size") or "pattern" in k or "layers" in k:
+            continue
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        out += [v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return out
+
+
+@dataclass(frozen=True)
+class _MaskSpec:
+    """The arguments a layer's mask was made with by mlx-lm's create_attention_mask."""
+    window: int | None
+    array: bool
+
+    def make(self, h):
+        return create_attention_mask(h, None, window_size=self.window, return_array=self.array)
+
+
+@dataclass
+class _Observed:
+    h0: mx.array                 # what the model hands its first layer
+    masks: list                  # per layer: a _MaskSpec, None or "causal"
+    mask_keys: list              # per layer: {argument name: None, or "mask" for the mask}
+
+
+class _Tap:
+    """Stands in for a layer while the model's own forward runs: records how it is
+    called and hands its input on unchanged (so no layer computes anything)."""
+
+    def __init__(self, layer, log):
+        self._layer, self._log = layer, log
+
+    def __getattr__(self, key):
+        return getattr(self._layer, key)
+
+    def __call__(self, *args, **kwargs):
+        self._log.append((self, args, kwargs))
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _CutError(Exception):
+    pass
+
+
+def _observe(inner, ids) -> _Observed:
+    """Run inner(ids) with every layer replaced by a _Tap and the module's
+    create_attention_mask by a recorder: the model's own forward then says what its
+    first layer receives, which mask each layer gets, and that each layer's output
+    goes unchanged into the next. Costs an embedding lookup, no layer."""
+    import inspect
+    import sys
+
     layers = list(inner.layers)
+    log: list = []
+    module = sys.modules[type(inner).__module__]
+    saved_mask = getattr(module, "create_attention_mask", None)
+
+    def record(h, cache=None, window_size=None, return_array=False):
+        return _MaskSpec(window_size, bool(return_array))
+
+    inner.layers = [_Tap(layer, log) for layer in layers]
+    if saved_mask is not None:
+        module.create_attention_mask = record
+    # A family whose inner model takes its cache positionally is called with none.
+    params = inspect.signature(inner.__call__).parameters
+    cache = {"cache": None} if "cache" in params and \
+        params["cache"].default is inspect.Parameter.empty else {}
+    try:
+        inner(ids, **cache)
+    except _CutError:
+        raise
+    except Exception as e:
+        raise _CutError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    finally:
+        inner.layers = layers
+        if saved_mask is not None:
+            module.create_attention_mask = saved_mask
+    if len(log) != len(layers) or any(t._layer is not l for (t, _, _), l in zip(log, layers)):
+        raise _CutError("its forward does not call each layer once, in order")
+    masks, keys, prev = [], [], None
+    for k, (tap, args, kwargs) in enumerate(log):
+        bound = inspect.signature(tap._layer.__call__).bind(*args, **kwargs)
+        names = list(bound.arguments)
+        h = bound.arguments[names[0]]
+        if k and h is not prev:
+            raise _CutError("its forward changes the hidden state between layers")
+        prev = h
+        mkey = next((n for n in names[1:] if "mask" in n), None)
+        mask = bound.arguments.get(mkey) if mkey else None
+        others = [n for n in names[1:] if n != mkey and bound.arguments[n] is not None]
+        if others:
+            raise _CutError(f"its layers take more than the hidden state and a mask ({others[0]})")
+        if mask is not None and not isinstance(mask, _MaskSpec) and not (
+                isinstance(mask, str) and mask == "causal"):
+            raise _CutError("it builds attention masks of its own kind")
+        masks.append(mask)
+        # The mask goes under its own name; the rest the model passed (None, a
+        # cache it does not have) are passed as None again.
+        keys.append({n: None for n in names[1:]} | ({mkey: "mask"} if mkey else {}))
+    return _Observed(log[0][1][0] if log[0][1] else next(iter(log[0][2].values())), masks, keys)
+
+
+# Logit transforms a family applies after its lm_head (or tied embedding).
+_LOGIT_TWISTS = {
+    "gemma2": lambda args, out: mx.tanh(out / args.final_logit_softcapping)
+    * args.final_logit_softcapping,
+    "granite": lambda args, out: out / args.logits_scaling,
+    "cohere": lambda args, out: out * args.logit_scale,
+    "cohere2": lambda args, out: out * args.logit_scale,
+}
+
+
+def _plain_parts(model, inner, mtype, name, length) -> ModelParts:
+    """Families whose forward is embed -> layer(h, mask) ... -> norm -> head. The
+    embedding (with its scale) and each layer's mask come from the model's own
+    forward (`_observe`), so a family's windows, layer types and mask patterns are
+    the model's, whatever its config calls them."""
+    args = getattr(model, "args", None)
+    layers = list(inner.layers)
+    try:
+        seen = _observe(inner, mx.zeros((1, length), dtype=mx.int32))
+    except _CutError as e:
+        raise ModelError(f"{name}: architecture {mtype} cannot be cut into segments ({e})") \
+            from None
+    specs, keys = seen.masks, seen.mask_keys
+    twist = _LOGIT_TWISTS.get(mtype)
 
     def embed(ids):
-        h = inner.embed_tokens(ids)
-        return h * embed_scale if embed_scale != 1.0 else h
+        return _observe(inner, ids).h0
 
     def head(hn):
         if mtype == "minicpm":
             if args.tie_word_embeddings:
                 return hn @ inner.embed_tokens.weight.T
             return model.lm_head(hn / (args.hidden_size / args.dim_model_base))
-        if hasattr(model, "lm_head"):
-            return model.lm_head(hn)
-        return inner.embed_tokens.as_linear(hn)
+        out = model.lm_head(hn) if hasattr(model, "lm_head") else inner.embed_tokens.as_linear(hn)
+        return twist(args, out) if twist else out
 
-    window = getattr(inner, "sliding_window", None) or None
-    windows = [window if getattr(l, "use_sliding", False) else None for l in layers]
+    windows = [s.window if isinstance(s, _MaskSpec) else None for s in specs]
 
     def call(i, h, mask, extra=None, shared_kv=None):
-        return layers[i](h, mask), None
+        return layers[i](h, **{n: mask if v else None for n, v in keys[i].items()}), None
 
-    return ModelParts(embed, layers, _masks_for(windows), inner.norm, head, windows,
+    return ModelParts(embed, layers, _masks_for(specs), inner.norm, head, windows,
                       [None] * len(layers), lambda ids, h0: [None] * len(layers), call)
 
 
@@ -181,16 +363,17 @@ def _gemma4_parts(model, inner) -> ModelParts:
         h, kv, _ = layers[i](h, mask, None, per_layer_input=extra, shared_kv=shared_kv, offset=0)
         return h, kv
 
-    return ModelParts(embed, layers, _masks_for(windows), inner.norm, head, windows, donors,
+    specs = [_MaskSpec(w, False) for w in windows]
+    return ModelParts(embed, layers, _masks_for(specs), inner.norm, head, windows, donors,
                       layer_inputs, call)
 
 
-def _masks_for(windows: list[int | None]) -> Callable[[mx.array], list]:
-    # One mask per distinct window, shared by the layers that use it, built as
-    # mlx-lm builds them (a string "causal" while the window does not bite).
+def _masks_for(specs: list) -> Callable[[mx.array], list]:
+    # One mask per distinct spec, shared by the layers that use it, made as
+    # mlx-lm makes them (a string "causal" while a window does not bite).
     def masks(h):
-        made = {w: create_attention_mask(h, None, window_size=w) for w in set(windows)}
-        return [made[w] for w in windows]
+        made = {s: s.make(h) for s in set(specs) if isinstance(s, _MaskSpec)}
+        return [made[s] if isinstance(s, _MaskSpec) else s for s in specs]
     return masks
 
 
@@ -208,17 +391,15 @@ def forward_parts(parts: ModelParts, ids: mx.array) -> mx.array:
     return parts.head(parts.norm(h))
 
 
-def _check_parts(model, parts: ModelParts, name: str) -> None:
-    # Compare our composition against the model's own forward on a short input:
-    # a family that inserts extra work between its layers shows up here.
-    vocab = model.args.vocab_size
-    # Longer than a small sliding window, so the window masks are part of the check.
-    smallest = min((w for w in parts.windows if w), default=None)
-    n = smallest + 2 if smallest and smallest <= 62 else 6
-    ids = mx.array([[(7 * i + 3) % vocab for i in range(n)]])
+def _check_parts(model, parts: ModelParts, name: str, mtype: str, length: int,
+                 vocab: int) -> None:
+    # Compare our composition against the model's own forward on a row longer than
+    # every window the config declares: a family that inserts extra work between
+    # its layers, or masks a layer differently from what we give it, shows here.
+    ids = mx.array([[(7 * i + 3) % vocab for i in range(length)]])
     bad = [i for i, d in enumerate(parts.donors) if d is not None and not 0 <= d < i]
     if bad:
-        raise ModelError(f"{name}: architecture {model.args.model_type} cannot be cut into "
+        raise ModelError(f"{name}: architecture {mtype} cannot be cut into "
                          f"segments (layers {bad} share K/V with a later layer)")
     try:
         ours = forward_parts(parts, ids).astype(mx.float32)
@@ -226,8 +407,8 @@ def _check_parts(model, parts: ModelParts, name: str) -> None:
         err = mx.max(mx.abs(ours - ref)).item()
         size = mx.max(mx.abs(ref)).item()
     except Exception as e:
-        raise ModelError(f"{name}: architecture {model.args.model_type} cannot be cut into "
+        raise ModelError(f"{name}: architecture {mtype} cannot be cut into "
                          f"segments ({type(e).__name__}: {e})") from None
     if not math.isfinite(err) or err > 1e-3 * max(size, 1.0):
-        raise ModelError(f"{name}: architecture {model.args.model_type} cannot be cut into "
-                         f"segments (its layers are not called as embed -> layers -> norm -> head)")
+        raise ModelError(f"{name}: architecture {mtype} cannot be cut into segments (its "
+                         f"forward is not embed -> layers -> norm -> head on {length} tokens)")

@@ -34,8 +34,8 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
                num_layers=lora.num_layers, keys=lora.keys)
     parts = model_parts(model, check=False)
     vocab = len(tokenizer.get_vocab())   # ids any row of this model's data could hold
-    method = (dict(method="orpo", prefix_shared=spec.prefix_shared) if spec.method == "orpo"
-              else dict(method="sft"))
+    method = (dict(method=spec.method, prefix_shared=spec.prefix_shared)
+              if spec.method != "sft" else dict(method="sft"))
     model.train()
     for seq_len, segment_size in spec.points:
         example = synthetic_row(spec.method, seq_len, vocab, spec.prefix_shared,
@@ -73,12 +73,12 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
 def synthetic_row(method: str, seq_len: int, vocab: int, prefix_shared: bool, rng: random.Random):
     """A row that puts exactly `seq_len` tokens through the layers (the planner's
     sequence length, orchestrator/planner.row_tokens): SFT every token supervised
-    (the most the loss head can be asked to read: the planner's worst case), ORPO a
-    third each of prompt, chosen and rejected (prefix-shared) or a prompt and two
-    responses of half the length each (two branches)."""
+    (the most the loss head can be asked to read: the planner's worst case), ORPO
+    and DPO a third each of prompt, chosen and rejected (prefix-shared) or a prompt
+    and two responses of half the length each (two branches)."""
     def ids(n):
         return [rng.randrange(3, vocab) for _ in range(n)]
-    if method == "orpo":
+    if method in ("orpo", "dpo"):
         if prefix_shared:
             response = max(1, seq_len // 3)
             prompt = seq_len - 2 * response

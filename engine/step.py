@@ -1,4 +1,4 @@
-"""One training step's loss and LoRA gradients, for SFT and ORPO, three ways.
+"""One training step's loss and LoRA gradients, for SFT, ORPO and DPO, three ways.
 
 - plain (`segment_size=0`): autodiff through the whole forward; the reference.
 - grad_checkpoint: the same loss with every layer recomputed under `mx.checkpoint`
@@ -11,14 +11,20 @@
 
 Every loss here is a small function of a few sums of per-position log-probs: SFT
 is -(sum over the response)/count; ORPO needs the chosen and rejected response
-sums (and the chosen sequence's for `nll_scope: full`). So a step is described as
+sums (and the chosen sequence's for `nll_scope: full`); DPO the same response sums
+and the reference model's, which are constants. So a step is described as
 *streams* (token sequences run through the layers: one for SFT and prefix-shared
-ORPO, two for two-branch ORPO), each with the hidden rows the head reads, the
+ORPO / DPO, two for two branches), each with the hidden rows the head reads, the
 tokens they predict and which sums each row counts toward. The segmented head
 computes each row's log p and its gradient d(log p)/dh with cotangent 1, chunk by
 chunk; once all sums are known, the loss's gradient with respect to the sums
 scales those rows into dh. Rows are independent, so this equals the gradient of
 the unchunked loss.
+
+DPO's reference model is the base model with the adapter switched off (every
+LoRA layer's scale set to 0 for one no-gradient forward over the same streams,
+before the step): no second model in memory, and the same reference sums for
+plain autodiff and the segmented step.
 
 Gemma-4 layers that reuse a donor layer's K/V (`parts.donors`): a segment that
 holds a donor whose sharers sit in later segments also outputs the donor's K/V;
@@ -28,15 +34,18 @@ and handed to the producer as extra cotangents next to dh.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
+from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
-from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
+from .attention import BlockMask, block_mask_sdpa, swapped_sdpa, takes_block_masks
 from .data import Example, PreferenceExample
 from .model import ModelParts, model_parts
 
@@ -57,21 +66,26 @@ def plan_segments(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
 def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_size: int,
                    head_chunk: int = 512, attn_block: int = 0, grad_checkpoint: bool = False,
                    prefix_shared: bool = False, lambda_: float = 0.1,
-                   nll_scope: str = "response", parts: ModelParts | None = None,
-                   on_phase: PhaseHook | None = None, metrics: dict | None = None):
+                   nll_scope: str = "response", beta: float = 0.1,
+                   parts: ModelParts | None = None, on_phase: PhaseHook | None = None,
+                   metrics: dict | None = None):
     """(loss, grads) for one example; grads keyed like tree_flatten(trainable_parameters()).
 
-    method "sft" takes an `Example`, "orpo" a `PreferenceExample`. prefix_shared
-    (ORPO): one pass over [prompt | chosen | rejected] instead of two; an example
-    it cannot serve runs two-branch, and `metrics["prefix_shared"]` says which
-    ran. attn_block (segmented only): when the sequence is longer, each layer's
-    attention backward walks blocks of this many query rows (engine/attention.py).
-    `metrics`, when given, receives the step's ORPO figures (margin, accuracy,
-    log_odds, nll).
+    method "sft" takes an `Example`, "orpo" and "dpo" a `PreferenceExample`.
+    prefix_shared (ORPO, DPO): one pass over [prompt | chosen | rejected] instead
+    of two; an example it cannot serve runs two-branch, and
+    `metrics["prefix_shared"]` says which ran. DPO first runs its reference
+    forward (phase "ref"). attn_block (segmented only): when the sequence is
+    longer, each layer's attention backward walks blocks of this many query rows
+    (engine/attention.py). `metrics`, when given, receives the step's preference
+    figures (ORPO: margin, accuracy, log_odds, nll; DPO: margin, accuracy,
+    chosen_reward, rejected_reward).
     """
     parts = parts or model_parts(model, check=False)
     plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
-                     nll_scope=nll_scope)
+                     nll_scope=nll_scope, beta=beta,
+                     reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
+                                       on_phase=on_phase))
     if segment_size == 0:
         loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
     else:
@@ -84,14 +98,20 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
 
 def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int = 512,
               prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
-              parts: ModelParts | None = None) -> tuple[float, int]:
+              beta: float = 0.1, parts: ModelParts | None = None) -> tuple[float, int]:
     """(loss, weight) without gradients, for validation: SFT weighs by supervised
-    tokens, ORPO by rows (its loss is already a per-row mean)."""
+    tokens, ORPO and DPO by rows (their loss is already a per-row figure)."""
     parts = parts or model_parts(model, check=False)
     plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
-                     nll_scope=nll_scope)
+                     nll_scope=nll_scope, beta=beta,
+                     reference=partial(reference_sums, model, parts, head_chunk=head_chunk))
+    return plan.loss(_nograd_sums(parts, plan.streams, head_chunk)).item(), plan.weight
+
+
+def _nograd_sums(parts, streams, head_chunk) -> mx.array:
+    """The sums of `streams` from a forward without gradients."""
     sums = 0
-    for stream in plan.streams:
+    for stream in streams:
         with _positions(parts, stream):
             h, masks, extras = _embed(parts, stream)
             kv: dict = {}
@@ -101,7 +121,7 @@ def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int
                 mx.eval(h, produced)  # one layer's activations at a time
         logp = _head_logp(parts, h, stream, head_chunk)
         sums = sums + stream.member.T @ logp
-    return plan.loss(sums).item(), plan.weight
+    return sums
 
 
 def supervised_tokens(example) -> int:
@@ -138,16 +158,24 @@ class Plan:
 
 
 def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = False,
-              lambda_: float = 0.1, nll_scope: str = "response") -> Plan:
+              lambda_: float = 0.1, nll_scope: str = "response", beta: float = 0.1,
+              reference: Callable[[list[Stream]], mx.array] | None = None) -> Plan:
+    """`reference` (DPO): streams -> the reference model's sums over them
+    (`reference_sums` bound to the model); it runs here, once, before the step."""
     if method == "sft":
         if not isinstance(example, Example):
             raise StepError(f"method sft takes an Example, got {type(example).__name__}")
         return _sft_plan(example)
-    if method == "orpo":
+    if method in ("orpo", "dpo"):
         if not isinstance(example, PreferenceExample):
-            raise StepError(f"method orpo takes a PreferenceExample, got {type(example).__name__}")
-        return _orpo_plan(example, parts, prefix_shared, lambda_, nll_scope)
-    raise StepError(f"unknown method {method!r} (expected sft or orpo)")
+            raise StepError(f"method {method} takes a PreferenceExample, "
+                            f"got {type(example).__name__}")
+        if method == "orpo":
+            return _orpo_plan(example, parts, prefix_shared, lambda_, nll_scope)
+        if reference is None:
+            raise ValueError("method dpo needs the reference model's sums (reference=)")
+        return _dpo_plan(example, parts, prefix_shared, beta, reference)
+    raise StepError(f"unknown method {method!r} (expected sft, orpo or dpo)")
 
 
 def _sft_plan(ex: Example) -> Plan:
@@ -163,8 +191,62 @@ def _sft_plan(ex: Example) -> Plan:
 
 
 def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -> Plan:
-    """ENGINE.md's ORPO. Sums: 0 chosen response, 1 rejected response, 2 the whole
-    chosen sequence (nll_scope full)."""
+    """ENGINE.md's ORPO, on `_preference_streams`' sums."""
+    if nll_scope not in ("response", "full"):
+        raise StepError(f"nll_scope must be response or full, got {nll_scope!r}")
+    full = nll_scope == "full"
+    streams, shared = _preference_streams(ex, parts, prefix_shared, full)
+    nc, nr, nf = len(ex.chosen), len(ex.rejected), len(ex.prompt) + len(ex.chosen) - 1
+
+    def loss(s):
+        lw, lr = s[0] / nc, s[1] / nr
+        log_odds = (lw - lr) - (_log1mexp(lw) - _log1mexp(lr))
+        nll = -s[2] / nf if full else -lw
+        return nll + lambda_ * mx.logaddexp(0.0, -log_odds)
+
+    def report(s):
+        lw, lr = (s[0] / nc).item(), (s[1] / nr).item()
+        log_odds = (lw - lr) - (_log1mexp(mx.array(lw)) - _log1mexp(mx.array(lr))).item()
+        return {"margin": lw - lr, "accuracy": float(lw > lr), "log_odds": log_odds,
+                "nll": (-s[2] / nf).item() if full else -lw, "prefix_shared": shared}
+
+    return Plan(streams, loss, 1, report)
+
+
+def _log1mexp(x):
+    return mx.log(mx.maximum(1.0 - mx.exp(x), 1e-7))
+
+
+def _dpo_plan(ex: PreferenceExample, parts, prefix_shared, beta, reference) -> Plan:
+    """DPO's sigmoid loss on `_preference_streams`' sums: softplus(-(rw - rr)) with
+    the rewards rw = beta * (lw - lw_ref), rr = beta * (lr - lr_ref), where lw, lr
+    are the SUMS of log p over the chosen and rejected response tokens (the
+    sequence log-likelihoods DPO is defined on, not ORPO's length-normalised
+    means) and lw_ref, lr_ref the reference model's. Those come from `reference`
+    over the same streams, computed once here: constants of the loss."""
+    streams, shared = _preference_streams(ex, parts, prefix_shared, full=False)
+    ref = reference(streams)
+
+    def rewards(s):
+        return beta * (s[0] - ref[0]), beta * (s[1] - ref[1])
+
+    def loss(s):
+        rw, rr = rewards(s)
+        return mx.logaddexp(0.0, -(rw - rr))
+
+    def report(s):
+        rw, rr = (x.item() for x in rewards(s))
+        return {"margin": rw - rr, "accuracy": float(rw > rr), "chosen_reward": rw,
+                "rejected_reward": rr, "prefix_shared": shared}
+
+    return Plan(streams, loss, 1, report)
+
+
+def _preference_streams(ex: PreferenceExample, parts, prefix_shared: bool,
+                        full: bool) -> tuple[list[Stream], bool]:
+    """The streams of a preference row, and whether they are one prefix-shared
+    pass (else a chosen and a rejected branch). Sums: 0 chosen response, 1
+    rejected response, 2 the whole chosen sequence (with `full`; else empty)."""
     p, c, r = list(ex.prompt), list(ex.chosen), list(ex.rejected)
     rp = ex.rejected_prompt
     rp = p if rp is None else list(rp)
@@ -174,25 +256,8 @@ def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) 
     if not c or not r:
         raise StepError("preference example has an empty "
                         f"{'chosen' if not c else 'rejected'} response")
-    full = nll_scope == "full"
-    if nll_scope not in ("response", "full"):
-        raise StepError(f"nll_scope must be response or full, got {nll_scope!r}")
-    nc, nr, nf = len(c), len(r), len(p) + len(c) - 1
-
-    def loss(s):
-        lw, lr = s[0] / nc, s[1] / nr
-        log_odds = (lw - lr) - (_log1mexp(lw) - _log1mexp(lr))
-        nll = -s[2] / nf if full else -lw
-        return nll + lambda_ * mx.logaddexp(0.0, -log_odds)
-
+    nc, nr = len(c), len(r)
     shared = prefix_shared and rp == p and _has_rope(parts)
-
-    def report(s):
-        lw, lr = (s[0] / nc).item(), (s[1] / nr).item()
-        log_odds = (lw - lr) - (_log1mexp(mx.array(lw)) - _log1mexp(mx.array(lr))).item()
-        return {"margin": lw - lr, "accuracy": float(lw > lr), "log_odds": log_odds,
-                "nll": (-s[2] / nf).item() if full else -lw, "prefix_shared": shared}
-
     P = len(p)
     first = 0 if full else P - 1
     chosen_rows = list(range(first, P + nc - 1))
@@ -202,7 +267,7 @@ def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) 
         streams = [Stream(seq_c[:-1], chosen_rows, seq_c[first + 1:], mx.array(chosen_member)),
                    Stream(seq_r[:-1], list(range(R - 1, R + nr - 1)), r,
                           mx.array([[0.0, 1.0, 0.0]] * nr))]
-        return Plan(streams, loss, 1, report)
+        return streams, False
 
     # One pass over [prompt | chosen | rejected]: rejected rows do not see chosen
     # columns and restart at position P, so each response row sees exactly what
@@ -213,11 +278,45 @@ def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) 
     runs = [(0, P + nc, 0)] + ([(P + nc, L, P)] if L > P + nc else [])
     stream = Stream(seq[:-1], chosen_rows + rej_rows, seq[first + 1:P + nc] + r,
                     mx.array(chosen_member + [[0.0, 1.0, 0.0]] * nr), runs, (P, P + nc))
-    return Plan([stream], loss, 1, report)
+    return [stream], True
 
 
-def _log1mexp(x):
-    return mx.log(mx.maximum(1.0 - mx.exp(x), 1e-7))
+# ---------------------------------------------------------------- DPO's reference
+
+def reference_sums(model: nn.Module, parts: ModelParts, streams: list[Stream], head_chunk: int,
+                   on_phase: PhaseHook | None = None) -> mx.array:
+    """The base model's sums over `streams`: the no-gradient forward with the
+    adapter switched off, evaluated, so the step sees constants."""
+    with adapter_off(model):
+        sums = _nograd_sums(parts, streams, head_chunk)
+        mx.eval(sums)
+    if on_phase:
+        on_phase("ref")
+    return sums
+
+
+@contextmanager
+def adapter_off(model: nn.Module):
+    """Every LoRA layer of `model` computes exactly its base layer's output inside
+    the block: LoRA adds `scale * z` to the base output, so scale 0 adds zero.
+    Its dropout is off too, so the pass draws no random numbers: the step's
+    dropout masks come from the same generator. Both are restored on the way out,
+    whatever happens inside."""
+    if any(isinstance(m, (DoRALinear, DoRAEmbedding)) for m in model.modules()):
+        # DoRA rescales the whole output by m / |W + scale * BA|: scale 0 is not the base
+        raise StepError("DoRA layers cannot be switched off for a reference pass")
+    lora = [m for m in model.modules()
+            if isinstance(m, (LoRALinear, LoRASwitchLinear, LoRAEmbedding))]
+    saved = [(m, m.scale, m.dropout.training) for m in lora]
+    try:
+        for m in lora:
+            m.scale = 0.0
+            m.dropout.train(False)
+        yield
+    finally:
+        for m, scale, training in saved:
+            m.scale = scale
+            m.dropout.train(training)
 
 
 # ---------------------------------------------------------------- positions and masks
@@ -250,12 +349,9 @@ def _has_rope(parts) -> bool:
 
 @contextmanager
 def _positions(parts, stream: Stream):
-    """Within the block, a prefix-shared stream's positions and block masks hold:
-    each rope runs run by run, and attention takes `BlockMask`s."""
-    if not stream.runs:
-        yield
-        return
-    holders = [m for layer in parts.layers for m in _ropes(layer)]
+    """Within the block, the layers run as `_embed`'s masks need: attention takes
+    `BlockMask`s, and a prefix-shared stream's ropes run run by run."""
+    holders = [m for layer in parts.layers for m in _ropes(layer)] if stream.runs else []
     saved = [m["rope"] for m in holders]
     try:
         for m, rope in zip(holders, saved):
@@ -268,15 +364,34 @@ def _positions(parts, stream: Stream):
 
 
 def _embed(parts, stream: Stream):
-    """(h0, per-layer masks, per-layer extra inputs) of a stream."""
+    """(h0, per-layer masks, per-layer extra inputs) of a stream; run the layers
+    inside `_positions`."""
     ids = mx.array(stream.ids, dtype=mx.int32)[None]
     h = parts.embed(ids)
     extras = parts.layer_inputs(ids, h)
-    if stream.block is None:
-        masks = parts.masks(h)
-    else:
-        masks = [BlockMask(*stream.block, window=w) for w in parts.windows]
-    return h, masks, extras
+    return h, _masks(parts, stream, h.shape[1], parts.masks(h)), extras
+
+
+def _masks(parts, stream: Stream, n: int, own: list) -> list:
+    """Each layer's mask. Prefix-shared streams and windows shorter than the
+    sequence take a `BlockMask`, whose attention touches only the keys a row
+    sees (a dense [n, n] array would make every layer's attention O(n^2));
+    full-attention layers keep the model's own ("causal"). A layer that computes
+    its attention by hand takes the same masks as arrays."""
+    out = []
+    for layer, w, m in zip(parts.layers, parts.windows, own):
+        if stream.block is not None:
+            bm = BlockMask(*stream.block, window=w)
+        elif w and n > w:
+            bm = BlockMask(window=w)
+        else:
+            out.append(m)
+            continue
+        if takes_block_masks(layer):
+            out.append(bm)
+        else:  # the model's own array is lazy: built only where a layer reads it
+            out.append(bm.array(n) if stream.block is not None else m)
+    return out
 
 
 def _run(parts, lo, hi, h, masks, extras, kv_in, seed):
@@ -309,9 +424,11 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
         return plan.loss(sums), sums
 
     # Positions stay set through the backward too: mx.checkpoint reruns the layer
-    # there. Only a single-stream (prefix-shared) plan has runs.
+    # there. Only a single-stream (prefix-shared) plan has runs. The model's own
+    # forward runs as it is.
     shared = next((s for s in plan.streams if s.runs), plan.streams[0])
-    with _positions(parts, shared):
+    own = all(_own_forward(s, grad_checkpoint) for s in plan.streams)
+    with nullcontext() if own else _positions(parts, shared):
         (loss, sums), grads = nn.value_and_grad(model, loss_fn)(model)
         grads = dict(tree_flatten(grads))
         mx.eval(loss, sums, grads)
@@ -320,9 +437,13 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
     return loss, grads, sums
 
 
+def _own_forward(stream, grad_checkpoint) -> bool:
+    return not grad_checkpoint and stream.block is None
+
+
 def _logits(model, parts, stream, grad_checkpoint):
-    if not grad_checkpoint and stream.block is None:
-        return model(mx.array(stream.ids, dtype=mx.int32)[None])  # the model's own forward
+    if _own_forward(stream, grad_checkpoint):
+        return model(mx.array(stream.ids, dtype=mx.int32)[None])
     h, masks, extras = _embed(parts, stream)
     kv: dict = {}
     for i, layer in enumerate(parts.layers):
@@ -369,7 +490,7 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phas
     layers = parts.layers
     segments = plan_segments(len(layers), segment_size)
     names = _trainable_names(model)
-    params = [_layer_params(layer, i) for i, layer in enumerate(layers)]
+    params = [_layer_params(layer, i, parts.prefix) for i, layer in enumerate(layers)]
     _check_all_trainables_in_layers(names, params)
     base_seed = mx.random.randint(0, 2**30, shape=()).item()
     tags = ["", "rejected."] if len(plan.streams) == 2 else [""]
@@ -543,9 +664,9 @@ def _trainable_names(model) -> list[str]:
     return [n for n, _ in tree_flatten(model.trainable_parameters())]
 
 
-def _layer_params(layer, i):
+def _layer_params(layer, i, prefix):
     """[(global name, layer index, local name, value)] of layer i's trainables."""
-    return [(f"model.layers.{i}.{local}", i, local, v)
+    return [(f"{prefix}.{i}.{local}", i, local, v)
             for local, v in tree_flatten(layer.trainable_parameters())]
 
 

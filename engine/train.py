@@ -114,7 +114,9 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                      grad_norm=m.grad_norm.item(), peak_gb=m.peak_gb,
                      active_gb=mx.get_active_memory() / GB, cache_gb=mx.get_cache_memory() / GB,
                      margin=m.metrics.get("margin"), accuracy=m.metrics.get("accuracy"),
-                     prefix_shared=m.metrics.get("prefix_shared")))
+                     prefix_shared=m.metrics.get("prefix_shared"),
+                     chosen_reward=m.metrics.get("chosen_reward"),
+                     rejected_reward=m.metrics.get("rejected_reward")))
         if job.telemetry.phases:
             emit(ev.Phase(time=clock(), step=step, phases=m.phases))
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
@@ -170,6 +172,8 @@ def method_options(job: JobSpec) -> dict:
         o = job.orpo
         return dict(method="orpo", lambda_=o.lambda_, nll_scope=o.nll_scope,
                     prefix_shared=o.prefix_shared)
+    if job.method == "dpo":
+        return dict(method="dpo", beta=job.dpo.beta, prefix_shared=job.dpo.prefix_shared)
     return dict(method="sft")
 
 

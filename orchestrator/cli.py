@@ -18,6 +18,8 @@ import click
 from schemas import SpecError
 from schemas import events as ev
 
+from schemas.job import DEMO_ARCHS, METHODS
+
 from . import views
 
 
@@ -45,13 +47,14 @@ def main():
 
 @main.command("init-demo")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(["llama", "qwen3", "minicpm", "gemma4_text"]),
-              default="qwen3", show_default=True,
-              help="mlx-lm architecture of the demo model (gemma4_text: sliding and full "
-                   "attention layers, later layers sharing earlier layers' K/V)")
-@click.option("--method", type=click.Choice(["sft", "orpo"]), default="sft", show_default=True,
-              help="sft: prompt/completion rows; orpo: prompt/chosen/rejected rows and an "
-                   "orpo: section in job.yaml")
+@click.option("--arch", type=click.Choice(DEMO_ARCHS), default="qwen3", show_default=True,
+              help="mlx-lm architecture of the demo model (gemma2, gemma3_text, gpt_oss, "
+                   "olmo3: sliding and full attention layers; gemma4_text: also later layers "
+                   "sharing earlier layers' K/V)")
+@click.option("--method", type=click.Choice(METHODS), default="sft",
+              show_default=True,
+              help="sft: prompt/completion rows; orpo, dpo: prompt/chosen/rejected rows and an "
+                   "orpo: / dpo: section in job.yaml")
 @click.option("--seed", default=0, show_default=True, help="seed for weights and data")
 def init_demo(directory: Path, arch: str, method: str, seed: int):
     """Write a small random-initialised model (Hugging Face layout), a synthetic
@@ -72,9 +75,24 @@ def validate(spec: Path):
     (exit 2 and one `file:line: key: message` per problem)."""
     from schemas.spec import load_spec
     kind, obj = _load(load_spec, spec)
+    if kind in ("job", "sweep"):
+        _check_families(spec, [obj.model] if kind == "job" else [t.job.model for t in obj.trials])
     what = {"job": "job", "sweep": f"sweep of {len(getattr(obj, 'trials', []))} trials",
             "cluster": f"cluster of {len(getattr(obj, 'nodes', []))} nodes"}[kind]
     click.echo(f"{spec}: ok ({what})")
+
+
+def _check_families(where, models) -> None:
+    """Exit 2 with the reason when a model folder holds an architecture the engine
+    refuses (no weights are read). A folder that is not here is left to plan and
+    submit, which need it."""
+    from engine.model import ModelError, check_family
+    for model in sorted(set(models)):
+        if (Path(model) / "config.json").is_file():
+            try:
+                check_family(model)
+            except ModelError as e:
+                _fail(f"{where}: model: {e}")
 
 
 def _load(loader, path):
@@ -193,6 +211,7 @@ def _payload(sweep_file, spec):
     if kind == "cluster":
         _fail(f"{sweep_file}: this is a cluster file; submit a sweep or a job file")
     sweep = _load(single_job_sweep if kind == "job" else load_sweep, sweep_file)
+    _check_families(sweep_file, [t.job.model for t in sweep.trials])
     try:
         return prepare(sweep, _knobs(spec))
     except (ValueError, DataError, OSError) as e:
@@ -242,7 +261,7 @@ def _declared_nodes(spec):
 @main.command()
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
               help="the model folder to tune (default: --job's model)")
-@click.option("--method", type=click.Choice(["sft", "orpo"]), default=None,
+@click.option("--method", type=click.Choice(["sft", "orpo", "dpo"]), default=None,
               help="the loss the probes train with [default: --job's, else sft]")
 @click.option("--seq-lens", required=True, metavar="N,N,...",
               help="row lengths in tokens to probe, e.g. 1024,4096,8192")
@@ -250,7 +269,7 @@ def _declared_nodes(spec):
               help="segment sizes to probe (sizes over the model's layer count become it)")
 @click.option("--job", "job_file", type=click.Path(dir_okay=False, path_type=Path),
               help="probe with this job's LoRA and memory settings (head_chunk, attn_block, "
-                   "orpo.prefix_shared); default: the job defaults. Trials use the measured "
+                   "orpo/dpo.prefix_shared); default: the job defaults. Trials use the measured "
                    "model when their method, head_chunk, attn_block and lora.keys match; LoRA "
                    "rank and layers may differ")
 @click.option("--steps", default=3, show_default=True, type=click.IntRange(1, 100),
@@ -288,6 +307,7 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
     if model_dir is None and job is None:
         _fail("give --model PATH (or --job JOB.yaml)")
     model = str(Path(model_dir).resolve()) if model_dir else job.model
+    _check_families("--model", [model])
     try:
         lengths = tuning.parse_ints(seq_lens, "--seq-lens", low=2)
         sizes = tuning.parse_ints(segment_sizes, "--segment-sizes", low=1)

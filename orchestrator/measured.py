@@ -50,7 +50,10 @@ class Point:
 
 
 def group_of(label: str) -> str:
-    """fwd3, rejected.bwd0, head, update -> fwd, bwd, head, update."""
+    """fwd3, rejected.bwd0, head, update -> fwd, bwd, head, update; DPO's ref (its
+    reference forward, one layer at a time without gradients) -> fwd."""
+    if label == "ref":
+        return "fwd"
     label = label.removeprefix("rejected.")
     for g in ("fwd", "bwd"):
         if label.startswith(g):

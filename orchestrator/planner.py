@@ -183,20 +183,21 @@ def longest_row(job: JobSpec) -> int:
 
 def row_tokens(example, job: JobSpec) -> int:
     """The longest sequence one row puts through the layers: SFT its tokens; ORPO
-    prefix-shared prompt + chosen + rejected, two-branch the longer branch."""
-    if job.method != "orpo":
+    and DPO prefix-shared prompt + chosen + rejected, two-branch the longer branch."""
+    if job.method == "sft":
         return len(example.ids)
     p, c, r = len(example.prompt), len(example.chosen), len(example.rejected)
-    if job.orpo.prefix_shared and example.rejected_prompt is None:
+    if job.prefix_shared and example.rejected_prompt is None:
         return p + c + r
     return max(p + c, len(example.rejected_prompt or example.prompt) + r)
 
 
 def method_key(job: JobSpec) -> str:
-    """What the estimate needs of the method: sft, orpo (two branches) or orpo-shared."""
-    if job.method == "orpo":
-        return "orpo-shared" if job.orpo.prefix_shared else "orpo"
-    return "sft"
+    """What the estimate (and a tune's measurements) need of the method: sft, orpo
+    or dpo (two branches), orpo-shared or dpo-shared."""
+    if job.method == "sft":
+        return "sft"
+    return f"{job.method}-shared" if job.prefix_shared else job.method
 
 
 # ---------------------------------------------------------------- the estimate
@@ -224,9 +225,9 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
            head_chunk: int, attn_block: int, grad_checkpoint: bool, method: str) -> list[float]:
     """Predicted GB for segment sizes 1..top (index s-1), each at least the one
     before; [plain] when top is 0."""
-    streams = {"sft": 1, "orpo-shared": 1, "orpo": 2}.get(method)
+    streams = {"sft": 1, "orpo-shared": 1, "orpo": 2, "dpo-shared": 1, "dpo": 2}.get(method)
     if streams is None:
-        raise ValueError(f"method {method!r}: expected sft, orpo or orpo-shared")
+        raise ValueError(f"method {method!r}: expected sft, orpo, orpo-shared, dpo or dpo-shared")
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     n_lora = info.n_layers if lora_layers < 0 else min(lora_layers, info.n_layers)
@@ -270,7 +271,14 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     ORPO two-branch (streams 2) keeps both branches' boundaries, dh and head
     gradients through the step (plain: both forwards' activations), with each
     segment's transients one branch at a time. Prefix-shared ORPO is one stream
-    of L = P + C + R tokens (its attention, two causal calls, is less than L's)."""
+    of L = P + C + R tokens (its attention, two causal calls, is less than L's).
+
+    DPO has ORPO's shape plus its reference forward (the adapter off, no
+    gradient), which runs before the step's own forward, one layer's forward and
+    one head chunk at a time over the same streams, with only the resident state
+    and a hidden state or two alive: less than the step's forward phase, which
+    holds the boundaries on top of the same layer forward. It adds a forward's
+    time, not memory, so DPO is planned as ORPO is."""
     n = info.n_layers
     # Bytes per activation entry. Half precision costs more than its 2 bytes:
     # MLX's softmax runs in fp32 and CPU matmuls go through fp32 copies.

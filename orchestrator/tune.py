@@ -38,7 +38,7 @@ def parse_ints(text: str, what: str, *, low: int) -> list[int]:
 
 def tune_job(model: str, method: str, job: JobSpec | None) -> JobSpec:
     """The job whose settings the probes run with: `job`'s (LoRA, head_chunk,
-    attn_block, ORPO's prefix_shared) or the defaults, at segment_size auto."""
+    attn_block, ORPO's or DPO's prefix_shared) or the defaults, at segment_size auto."""
     if job is not None:
         return job.model_copy(update={
             "model": model, "method": method,
@@ -70,7 +70,7 @@ def request(job: JobSpec, info: planner.ModelInfo, *, seq_lens: list[int], sizes
                         "reused": sum(p in done for p in grid)}
     return dict(model=job.model, model_key=key, model_name="/".join(Path(job.model).parts[-2:]),
                 n_layers=info.n_layers, method=job.method,
-                prefix_shared=job.orpo.prefix_shared, method_key=planner.method_key(job),
+                prefix_shared=job.prefix_shared, method_key=planner.method_key(job),
                 lora=job.lora.model_dump(), head_chunk=job.memory.head_chunk,
                 attn_block=job.memory.attn_block, steps=steps, classes=classes,
                 seq_lens=seq_lens, sizes=sizes)

@@ -146,11 +146,11 @@ def engine_line(e: dict) -> str:
     kind = e.get("event")
     when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
     if kind == "step":
-        orpo = ""
-        if e.get("margin") is not None:  # ORPO: reward margin, accuracy, which way it ran
-            orpo = (f", margin {e['margin']:+.3f}, acc {e['accuracy']:.0f}"
+        pref = ""
+        if e.get("margin") is not None:  # ORPO / DPO: margin, accuracy, which way it ran
+            pref = (f", margin {e['margin']:+.3f}, acc {e['accuracy']:.0f}"
                     + ("" if e.get("prefix_shared") else ", two-branch"))
-        return (f"{when}   step {e['step']}: loss {e['loss']:.4f}{orpo}, "
+        return (f"{when}   step {e['step']}: loss {e['loss']:.4f}{pref}, "
                 f"{e['tokens_per_s']:.0f} tok/s, "
                 f"peak {e['peak_gb']:.3f} GB (active {e['active_gb']:.3f}, cache {e['cache_gb']:.3f})")
     if kind == "eval":

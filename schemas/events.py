@@ -41,11 +41,14 @@ class Step(Event):
     peak_gb: float                 # the step's peak: the highest of its phases' peaks
     active_gb: float
     cache_gb: float
-    # ORPO only (None for sft). lw, lr: length-normalised mean log p of the chosen and
-    # rejected responses.
-    margin: Optional[float] = None         # lw - lr
-    accuracy: Optional[float] = None       # 1.0 if lw > lr else 0.0
+    # Preference methods only (None for sft). ORPO: lw, lr are the length-normalised
+    # mean log p of the chosen and rejected responses. DPO: the rewards
+    # beta * (log p - reference log p), summed over each response.
+    margin: Optional[float] = None         # ORPO lw - lr; DPO chosen minus rejected reward
+    accuracy: Optional[float] = None       # 1.0 if the margin is > 0 else 0.0
     prefix_shared: Optional[bool] = None   # False: the row fell back to two branches
+    chosen_reward: Optional[float] = None      # DPO only
+    rejected_reward: Optional[float] = None    # DPO only
 
 
 class Phase(Event):

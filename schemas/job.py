@@ -10,6 +10,13 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
 
 from .yamlspec import load_yaml, validate
 
+Method = Literal["sft", "orpo", "dpo"]
+METHODS: tuple[str, ...] = Method.__args__
+
+# Architectures `segctl init-demo` can write (engine/demo.py builds each).
+DEMO_ARCHS = ("llama", "qwen3", "minicpm", "gemma", "gemma2", "gemma3_text", "gemma4_text",
+              "gpt_oss", "olmo3", "granite", "cohere")
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -92,10 +99,19 @@ class OrpoSpec(Strict):
                                                   "instead of a chosen and a rejected branch")
 
 
+class DpoSpec(Strict):
+    beta: float = Field(0.1, gt=0, description="strength of the pull to the reference (the base "
+                                               "model): loss = softplus(-beta * (chosen - rejected "
+                                               "log-ratio to the reference))")
+    prefix_shared: bool = Field(True, description="one forward over [prompt | chosen | rejected] "
+                                                  "instead of a chosen and a rejected branch")
+
+
 class JobSpec(Strict):
     name: str = "job"
-    method: Literal["sft", "orpo"] = Field("sft", description="sft: rows of text / prompt+completion / "
-                                                              "messages; orpo: prompt+chosen+rejected")
+    method: Method = Field(
+        "sft", description="sft: rows of text / prompt+completion / messages; orpo, dpo: "
+                           "prompt+chosen+rejected")
     model: str = Field(description="local Hugging Face model folder")
     output: Optional[str] = Field(None, description="folder the adapter lands in (segctl train "
                                                     "needs it; a sweep's trials land in the stores)")
@@ -105,22 +121,32 @@ class JobSpec(Strict):
     memory: MemorySpec = MemorySpec()
     telemetry: TelemetrySpec = TelemetrySpec()
     orpo: OrpoSpec = OrpoSpec()
+    dpo: DpoSpec = DpoSpec()
 
-    @field_validator("orpo")
+    @field_validator("orpo", "dpo")
     @classmethod
-    def _orpo_needs_orpo(cls, v, info: ValidationInfo):
-        # runs only when the key was given (defaults are not validated)
-        if info.data.get("method", "orpo") != "orpo":
-            raise ValueError("only used with method: orpo")
+    def _section_needs_its_method(cls, v, info: ValidationInfo):
+        # runs only when the key was given (defaults are not validated); a method
+        # that failed validation is not in info.data, and is the only error then
+        if info.data.get("method", info.field_name) != info.field_name:
+            raise ValueError(f"only used with method: {info.field_name}")
         return v
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        # An sft job's dump has no orpo section, so it validates again (and reads as before).
+        # A job's dump has no section of another method, so it validates again
+        # (and an sft job reads as before).
         d = handler(self)
-        if self.method != "orpo" and isinstance(d, dict):
-            d.pop("orpo", None)
+        if isinstance(d, dict):
+            for section in ("orpo", "dpo"):
+                if self.method != section:
+                    d.pop(section, None)
         return d
+
+    @property
+    def prefix_shared(self) -> bool:
+        """The preference method's prefix_shared (ORPO's or DPO's); sft has one stream."""
+        return {"orpo": self.orpo, "dpo": self.dpo}.get(self.method, self.orpo).prefix_shared
 
     @model_validator(mode="after")
     def _modes(self):

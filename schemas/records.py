@@ -102,8 +102,8 @@ class ProbeSpec(BaseModel):
     """What `segctl tune` has one node measure: a few training steps at each
     (sequence length, segment size) point, under the node's memory budget."""
     model: str                       # the model folder (fetched from the head when absent)
-    method: Literal["sft", "orpo"] = "sft"
-    prefix_shared: bool = True       # orpo: one pass over [prompt | chosen | rejected]
+    method: Literal["sft", "orpo", "dpo"] = "sft"
+    prefix_shared: bool = True       # orpo, dpo: one pass over [prompt | chosen | rejected]
     lora: LoraSpec = LoraSpec()
     head_chunk: int = 512
     attn_block: int = 2048

@@ -27,9 +27,12 @@ STEPS = pa.schema([
     ("active_gb", pa.float64()),
     ("cache_gb", pa.float64()),
     ("time", pa.float64()),
-    ("margin", pa.float64()),         # ORPO only, else null: chosen minus rejected mean log p
-    ("accuracy", pa.float64()),       # ORPO only: 1.0 when chosen beat rejected
-    ("prefix_shared", pa.bool_()),    # ORPO only: false = the step ran two branches
+    ("margin", pa.float64()),         # ORPO / DPO, else null: ORPO chosen minus rejected mean
+                                      # log p; DPO chosen minus rejected reward
+    ("accuracy", pa.float64()),       # ORPO / DPO: 1.0 when chosen beat rejected
+    ("prefix_shared", pa.bool_()),    # ORPO / DPO: false = the step ran two branches
+    ("chosen_reward", pa.float64()),  # DPO only: beta * (log p - reference log p) of chosen
+    ("rejected_reward", pa.float64()),  # DPO only: the same of rejected
 ])
 
 # One row per evaluation (the engine's `eval` event).
@@ -75,7 +78,7 @@ PLAN = pa.schema([
     ("time", pa.float64()),
     ("model_name", pa.string()),      # the model folder as the user named it
     ("n_layers", pa.int64()),
-    ("method", pa.string()),          # sft | orpo | orpo-shared (planner.method_key)
+    ("method", pa.string()),          # sft | orpo[-shared] | dpo[-shared] (planner.method_key)
     ("node_class", pa.string()),      # chip/<budget>GB
     ("node", pa.string()),
     ("chip", pa.string()),

@@ -70,6 +70,24 @@ def test_submit_a_job_on_this_machine_then_status_logs_and_down(demo_dir, tmp_pa
         from mlx_lm import load
         [folder] = [p for p in out.iterdir() if p.is_dir()]
         load(str(orpo / "model"), adapter_path=str(folder))
+
+        # DPO too: a beta sweep over a gpt-oss demo (sinks, sliding layers, MoE).
+        dpo = tmp_path / "dpo"
+        assert segctl("init-demo", dpo, "--arch", "gpt_oss", "--method", "dpo").returncode == 0
+        sweep = {"name": "dpo", "base": "job.yaml", "grid": {
+            "dpo.beta": [0.1, 0.5], "train.iters": [4], "train.eval_every": [2],
+            "train.checkpoint_every": [2], "memory.segment_size": ["auto"]}}
+        (dpo / "dpo.yaml").write_text(yaml.safe_dump(sweep))
+        proc = segctl("submit", dpo / "dpo.yaml", env=env, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sweeps = {s["sweep"]: s for s in json.loads(segctl("status", "--json", env=env).stdout)}
+        trials = sweeps["dpo-1"]["trials"]
+        assert [t["state"] for t in trials] == ["SUCCEEDED", "SUCCEEDED"], trials
+        assert sorted(t["params"]["dpo.beta"] for t in trials) == [0.1, 0.5]
+        steps = ds.dataset(home / "telemetry" / "steps", partitioning="hive").to_table(
+            filter=ds.field("sweep") == "dpo-1").to_pylist()
+        assert len(steps) == 8
+        assert all(r["margin"] is not None and r["chosen_reward"] is not None for r in steps)
     finally:
         info = json.loads((home / "fleet.json").read_text()) if (home / "fleet.json").exists() else {}
         down = segctl("cluster", "down", env=env)

@@ -265,7 +265,7 @@ def test_sft_job_dump_has_no_orpo_section_and_round_trips(tmp_path):
     ("  lambda: 0.25", "  lamda: 0.25", 8, "orpo.lamda: unknown key; did you mean 'lambda'?"),
     ("  lambda: 0.25", "  lambda: -1", 8, "orpo.lambda: Input should be greater than or equal to 0"),
     ("  nll_scope: full", "  nll_scope: prompt", 9, "orpo.nll_scope: Input should be 'response' or 'full'"),
-    ("method: orpo", "method: dpo", 2, "method: Input should be 'sft' or 'orpo'"),
+    ("method: orpo", "method: ppo", 2, "method: Input should be 'sft', 'orpo' or 'dpo'"),
     ("method: orpo", "method: sft", 7, "orpo: only used with method: orpo"),
 ])
 def test_orpo_job_problems_point_at_their_line(tmp_path, old, new, line, message):

@@ -58,7 +58,7 @@ def test_prediction_orders_the_modes():
     assert predict_gb(QWEN3_06B, segment_size=1, method="orpo", **at) > seg1
     assert predict_gb(QWEN3_06B, segment_size=1, method="orpo-shared", **at) == seg1
     with pytest.raises(ValueError, match="orpo-shared"):
-        predict_gb(QWEN3_06B, segment_size=1, method="dpo", **at)
+        predict_gb(QWEN3_06B, segment_size=1, method="ppo", **at)
 
 
 def test_orpo_rows_are_planned_at_their_longest_sequence(tmp_path):

@@ -1,0 +1,130 @@
+"""Every decoder family of the installed mlx-lm trains exactly or is refused.
+
+The families are found by walking `mlx_lm.models` (tests/zoo.py), not listed by
+hand. For each one that builds as a tiny random model (fp32, windows of 8
+tokens, sliding and full layers mixed where the family has them), either the cut
+is refused with a one-line `ModelError`, or the segmented step's loss and LoRA
+gradients at segment sizes 1 and 2, with the attention backward in blocks, equal
+plain autodiff of the model's own forward on a row longer than every window.
+Nothing in between: a family may not load and then train on another loss.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from engine import Example, loss_and_grads
+from engine.model import ModelError, apply_lora, check_length, model_parts
+from tests.zoo import families, tiny_model
+
+TOL = 1e-4
+BLOCK = 16
+
+
+def _lora(model):
+    apply_lora(model, rank=4, scale=2.0, dropout=0.0)
+    # B starts at zero (every A gradient would be zero): randomise all of it.
+    mx.random.seed(1)
+    model.load_weights([(n, 0.05 * mx.random.normal(v.shape))
+                        for n, v in tree_flatten(model.trainable_parameters())], strict=False)
+    mx.eval(model.parameters())
+
+
+def _vocab(model):
+    text = model.language_model if hasattr(model, "language_model") else model
+    return text.model.embed_tokens.weight.shape[0]
+
+
+def _scale(ref, k):
+    # Per-tensor relative error, except that a tensor whose gradient is zero in
+    # exact arithmetic (a top-1 router's, say: its normalised score is always 1)
+    # holds rounding noise only, so it is measured against the largest gradient.
+    top = max(mx.max(mx.abs(g)).item() for g in ref.values())
+    return max(mx.max(mx.abs(ref[k])).item(), 1e-5 * top)
+
+
+@pytest.mark.parametrize("family", families())
+def test_family_trains_exactly_or_is_refused(family):
+    try:
+        model, _ = tiny_model(family)
+    except (Exception, SystemExit) as e:
+        pytest.skip(f"{family}: not built here ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''})"[:200])
+    try:
+        parts = model_parts(model, name=family)
+    except ModelError as e:
+        assert "\n" not in str(e) and str(e).startswith(f"{family}: ")
+        return
+    _lora(model)
+    n = check_length(getattr(model, "language_model", model)) + 2 * BLOCK + 3      # past every window, several blocks
+    vocab = _vocab(model)
+    ids = mx.random.randint(1, vocab, (n,), key=mx.random.key(0)).tolist()
+    ex = Example(ids, n // 4)
+    loss0, ref = loss_and_grads(model, ex, segment_size=0)
+    # Real gradients (a family may leave a few exactly zero, e.g. q/k under a norm).
+    live = sum(mx.max(mx.abs(g)).item() > 0 for g in ref.values())
+    assert live >= len(ref) / 2, (family, live, len(ref))
+    for seg in (1, 2):
+        loss, grads = loss_and_grads(model, ex, segment_size=seg, attn_block=BLOCK, parts=parts)
+        assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, seg)
+        assert grads.keys() == ref.keys()
+        worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
+        assert worst <= TOL, (family, seg, worst)
+
+
+# The families named in the README's table as trained exactly, beyond the zoo-wide
+# SFT check: preference methods, two-branch and prefix-shared, on the same models.
+NAMED = ["llama", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss", "olmo3",
+         "granite", "cohere"]
+
+
+@pytest.mark.parametrize("family", NAMED)
+def test_named_family_preference_methods_are_exact(family):
+    from engine import PreferenceExample
+    model, _ = tiny_model(family)
+    parts = model_parts(model, name=family)
+    _lora(model)
+    vocab = _vocab(model)
+    w = check_length(model)
+    toks = mx.random.randint(1, vocab, (3 * w,), key=mx.random.key(3)).tolist()
+    # A prompt and responses each longer than the windows: the rejected rows of a
+    # prefix-shared pass see the prompt across a window boundary.
+    ex = PreferenceExample(toks[:w], toks[w:2 * w], toks[2 * w:2 * w + w - 3])
+    for method in ("orpo", "dpo"):
+        for shared in (False, True):
+            metrics: dict = {}
+            loss0, ref = loss_and_grads(model, ex, method=method, segment_size=0,
+                                        prefix_shared=shared, metrics=metrics)
+            for seg in (1, 2):
+                got: dict = {}
+                loss, grads = loss_and_grads(model, ex, method=method, segment_size=seg,
+                                             attn_block=BLOCK, prefix_shared=shared, parts=parts,
+                                             metrics=got)
+                assert got["prefix_shared"] == metrics["prefix_shared"]
+                assert abs(loss.item() - loss0.item()) <= TOL * max(abs(loss0.item()), 1e-3), \
+                    (family, method, shared, seg)
+                worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item()
+                            for k in ref)
+                assert worst <= TOL, (family, method, shared, seg, worst)
+
+
+def test_a_refused_family_stops_validate_plan_submit_and_tune(demo_dir, tmp_path):
+    import json
+    from tests.conftest import assert_one_line_error, segctl
+    from tests.test_train_cli import copy_demo
+    from tests.zoo import tiny_config
+
+    folder = tmp_path / "neox"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_config("gpt_neox")))
+    (folder / "model.safetensors").write_bytes(b"\0" * 16)   # never read
+    job = copy_demo(demo_dir, tmp_path, model=str(folder))
+    home = tmp_path / "home"
+    for cmd in (["validate", job], ["plan", job], ["submit", job, "--detach"],
+                ["tune", "--model", folder, "--seq-lens", "64"]):
+        err = assert_one_line_error(segctl(*cmd, env={"SEGCTL_HOME": home}),
+                                    "gpt_neox cannot be cut into segments", "no model.embed_tokens")
+        assert "model: " in err
+    assert not home.exists() and not (tmp_path / "out").exists()
