@@ -39,6 +39,7 @@ from engine.model import apply_lora, model_parts
 from engine.optim import apply_grads, make_optimizer
 from engine.step import loss_and_grads
 from engine.data import Example, PreferenceExample
+from engine.demo import FAMILY_CONFIGS
 
 
 def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0):
@@ -51,6 +52,8 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
                tie_word_embeddings=True)
     if arch == "minicpm":
         cfg.update(scale_emb=12.0, dim_model_base=256, scale_depth=1.4)
+    if arch in FAMILY_CONFIGS:  # the demo's twists (multipliers, soft-caps, layer types)
+        cfg.update(FAMILY_CONFIGS[arch](layers=layers, head_dim=64))
     if arch == "gemma4_text":
         cfg = gemma4_config(layers, dim, vocab)
     if arch == "gemma3_text":

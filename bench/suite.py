@@ -8,8 +8,10 @@ grad_checkpoint patches a class for the whole process), side by side in one run.
 
 Each row is printed as it lands; a configuration that fails prints a row with
 "error" instead of stopping the suite. `--baseline DIR` (a checkout of another
-commit) runs every configuration there too, right after this tree's, each row
-tagged `code`: "this" or "baseline".
+commit, e.g. `git archive HEAD | tar -x -C DIR`) runs every configuration again
+right after this tree's, with DIR's own bench.engine and engine; each row is
+tagged `code`: "this" or "baseline". Compare only configurations that both trees'
+bench_model build alike (gemma3_text is new since ae9b9b3).
 """
 
 from __future__ import annotations

@@ -241,7 +241,12 @@ def test_longest_row_is_the_engine_datasets_longest_example(demo_dir):
 ])
 def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_size, attn_block):
     """The engine's own step, measured as engine/train.py measures it."""
+    import gc
+
     from engine.model import apply_lora, load_model
+    # The peak counts every live array of the process: free what earlier tests
+    # left in reference cycles (models and their closures) first.
+    gc.collect()
 
     info = model_info(str(tiny_models[arch]))
     model, _ = load_model(tiny_models[arch])
