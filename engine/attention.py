@@ -63,7 +63,9 @@ class BlockMask:
     are plain causal; rows from `split` on see the first `prompt` keys and the
     rejected keys up to themselves, at positions restarting at `prompt`. Without
     it, row i is position i. `window` limits every row to the keys whose position
-    is less than `window` behind its own; windowed rows go `rows` at a time."""
+    is less than `window` behind its own. Rows go `rows` at a time (windowed
+    rows by default_rows): the segmented step blocks full-attention rows too on
+    rows longer than its attn_block."""
     prompt: int = 0
     split: int | None = None
     window: int | None = None
@@ -92,7 +94,7 @@ class BlockMask:
     def parts(self, i: int, j: int):
         """part() of rows [i, j), cut at `split` and, windowed, into `rows`-row blocks."""
         cuts = [i] + ([self.split] if self.split is not None and i < self.split < j else []) + [j]
-        step = (self.rows or default_rows(self.window)) if self.window else None
+        step = self.rows or (default_rows(self.window) if self.window else None)
         out = []
         for lo, hi in zip(cuts, cuts[1:]):
             for a in range(lo, hi, step or hi - lo):

@@ -57,6 +57,7 @@ class ModelParts:
     layer_inputs: Callable[[mx.array, mx.array], list]  # (ids, embed(ids)) -> one extra per layer
     call: Callable[..., tuple]                  # (i, h, mask, extra=None, shared_kv=None) -> (h, kv)
     prefix: str = "model.layers"                # the layers' parameter names start so
+    block_masks: list[bool] | None = None       # per layer: attention takes a BlockMask
 
 
 def load_model(path: str | Path):
@@ -116,7 +117,7 @@ def check_family(path: str | Path) -> None:
     except (Exception, SystemExit) as e:  # an mlx-lm module that exits on import (olmo)
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelError(f"{folder}: model type {config['model_type']}: {msg}") from None
-    model_parts(model, name=str(folder), check=False)
+    model_parts(model, name=str(folder), check=False, run_layers=False)
 
 
 def apply_lora(model: nn.Module, *, rank: int, scale: float, dropout: float,
@@ -140,8 +141,11 @@ def apply_lora(model: nn.Module, *, rank: int, scale: float, dropout: float,
     return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
 
 
-def model_parts(model: nn.Module, *, name: str = "model", check: bool = True) -> ModelParts:
-    """Cut `model` into `ModelParts`; with `check`, prove the cut against model(ids).
+def model_parts(model: nn.Module, *, name: str = "model", check: bool = True,
+                run_layers: bool = True) -> ModelParts:
+    """Cut `model` into `ModelParts`; with `check`, prove the cut against model(ids);
+    `run_layers=False` runs no layer (no weights are evaluated) and leaves
+    `block_masks` unset.
     A multimodal wrapper (mlx-lm keeps only its language model) is cut through
     its `language_model`, and still checked against the wrapper's own forward."""
     text = model
@@ -162,6 +166,8 @@ def model_parts(model: nn.Module, *, name: str = "model", check: bool = True) ->
         parts = _plain_parts(text, inner, ttype, name, length)
     if text is not model:
         parts.prefix = "language_model.model.layers"
+    if run_layers:  # not on a model built from config.json alone (check_family)
+        parts.block_masks = _block_mask_layers(parts, inner.embed_tokens.weight.shape[0])
     if check:
         _check_parts(model, parts, name, mtype, length, inner.embed_tokens.weight.shape[0])
     return parts
@@ -285,6 +291,40 @@ def _observe(inner, ids) -> _Observed:
         # cache it does not have) are passed as None again.
         keys.append({n: None for n in names[1:]} | ({mkey: "mask"} if mkey else {}))
     return _Observed(log[0][1][0] if log[0][1] else next(iter(log[0][2].values())), masks, keys)
+
+
+def _block_mask_layers(parts: ModelParts, vocab: int) -> list[bool]:
+    """Per layer, whether its attention takes a BlockMask (engine/attention.py) and
+    gives what "causal" gives: it must hand the mask to mlx-lm's attention and
+    nothing else (MLA, for one, also adds it to position scores itself). Tried
+    once per layer class on a few tokens; a layer that fails gets array masks.
+    Gemma-4's layers (K/V sharing, per-layer inputs) are tested to take them."""
+    from .attention import BlockMask, block_mask_sdpa, swapped_sdpa, takes_block_masks
+
+    if parts.donors and any(d is not None for d in parts.donors) or \
+            type(parts.layers[0]).__module__.endswith("gemma4_text"):
+        return [takes_block_masks(layer) for layer in parts.layers]
+    verdict: dict[type, bool] = {}
+    ids = mx.array([[(5 * i + 1) % vocab for i in range(6)]])
+    out = []
+    for i, layer in enumerate(parts.layers):
+        kind = type(layer)
+        if kind not in verdict:
+            verdict[kind] = takes_block_masks(layer) and _same_with_block_mask(
+                parts, i, ids, BlockMask, block_mask_sdpa, swapped_sdpa)
+        out.append(verdict[kind])
+    return out
+
+
+def _same_with_block_mask(parts, i, ids, BlockMask, block_mask_sdpa, swapped_sdpa) -> bool:
+    try:
+        h = parts.embed(ids)
+        ref, _ = parts.call(i, h, "causal")
+        with swapped_sdpa([parts.layers[i]], block_mask_sdpa):
+            got, _ = parts.call(i, h, BlockMask(rows=2))
+        return bool(mx.allclose(got, ref, rtol=1e-3, atol=1e-3).item())
+    except Exception:
+        return False
 
 
 # Logit transforms a family applies after its lm_head (or tied embedding).

@@ -45,7 +45,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
-from .attention import BlockMask, block_mask_sdpa, swapped_sdpa, takes_block_masks
+from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .data import Example, PreferenceExample
 from .model import ModelParts, model_parts
 
@@ -363,31 +363,38 @@ def _positions(parts, stream: Stream):
             m.rope = rope
 
 
-def _embed(parts, stream: Stream):
+def _embed(parts, stream: Stream, rows: int = 0):
     """(h0, per-layer masks, per-layer extra inputs) of a stream; run the layers
-    inside `_positions`."""
+    inside `_positions`. `rows` > 0: full-attention layers attend `rows` query
+    rows at a time too (the segmented step passes its attn_block)."""
     ids = mx.array(stream.ids, dtype=mx.int32)[None]
     h = parts.embed(ids)
     extras = parts.layer_inputs(ids, h)
-    return h, _masks(parts, stream, h.shape[1], parts.masks(h)), extras
+    return h, _masks(parts, stream, h.shape[1], parts.masks(h), rows), extras
 
 
-def _masks(parts, stream: Stream, n: int, own: list) -> list:
+def _masks(parts, stream: Stream, n: int, own: list, rows: int = 0) -> list:
     """Each layer's mask. Prefix-shared streams and windows shorter than the
     sequence take a `BlockMask`, whose attention touches only the keys a row
-    sees (a dense [n, n] array would make every layer's attention O(n^2));
-    full-attention layers keep the model's own ("causal"). A layer that computes
-    its attention by hand takes the same masks as arrays."""
+    sees (a dense [n, n] array would make every layer's attention O(n^2)). A
+    full-attention layer keeps the model's own "causal", or on a row longer than
+    `rows` a BlockMask of `rows`-row blocks: where MLX's attention is not fused
+    (on CUDA at head_dim 256, say) a whole layer's [H, n, n] scores are then
+    never alive at once, in the forward recompute and in the backward's record
+    and replay passes alike. A layer that computes its attention by hand takes
+    the same masks as arrays."""
     out = []
-    for layer, w, m in zip(parts.layers, parts.windows, own):
+    for takes, w, m in zip(parts.block_masks, parts.windows, own):
         if stream.block is not None:
-            bm = BlockMask(*stream.block, window=w)
+            bm = BlockMask(*stream.block, window=w, rows=None if w else rows or None)
         elif w and n > w:
             bm = BlockMask(window=w)
+        elif not w and 0 < rows < n:
+            bm = BlockMask(rows=rows)
         else:
             out.append(m)
             continue
-        if takes_block_masks(layer):
+        if takes:
             out.append(bm)
         else:  # the model's own array is lazy: built only where a layer reads it
             out.append(bm.array(n) if stream.block is not None else m)
@@ -501,7 +508,8 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phas
     sums = 0
     for stream, tag in zip(plan.streams, tags):
         with _positions(parts, stream):
-            fwd = _forward(parts, stream, segments, base_seed, phase, tag)
+            fwd = _forward(parts, stream, segments, base_seed, phase, tag,
+                           attn_block if 0 < attn_block < len(stream.ids) else 0)
         logp, g = _head_pass(parts, fwd.boundaries.pop(), stream, head_chunk)
         phase(f"{tag}head")
         forwards.append(fwd)
@@ -526,10 +534,10 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phas
     return loss, {n: grads[n] for n in names}, sums
 
 
-def _forward(parts, stream, segments, seed, phase, tag) -> _Forward:
+def _forward(parts, stream, segments, seed, phase, tag, rows) -> _Forward:
     # A boundary evaluated outside any transform is a graph-free leaf, so each
     # segment's activations die with it.
-    h, masks, extras = _embed(parts, stream)
+    h, masks, extras = _embed(parts, stream, rows)
     mx.eval(h, extras)
     fwd = _Forward(masks, extras, {}, [h])
     for k, (lo, hi) in enumerate(segments):

@@ -128,3 +128,34 @@ def test_a_refused_family_stops_validate_plan_submit_and_tune(demo_dir, tmp_path
                                     "gpt_neox cannot be cut into segments", "no model.embed_tokens")
         assert "model: " in err
     assert not home.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", families())
+def test_prefix_shared_preference_runs_exactly_or_falls_back(family):
+    """Prefix-shared ORPO on every family that trains: exact, whether its layers
+    take block masks (`parts.block_masks`) or get array masks instead."""
+    from engine import PreferenceExample
+    try:
+        model, _ = tiny_model(family)
+        parts = model_parts(model, name=family)
+    except (Exception, SystemExit):
+        pytest.skip(f"{family}: not built or refused (the test above says why)")
+    _lora(model)
+    w = check_length(getattr(model, "language_model", model))
+    toks = mx.random.randint(1, _vocab(model), (3 * w,), key=mx.random.key(3)).tolist()
+    ex = PreferenceExample(toks[:w], toks[w:2 * w], toks[2 * w:3 * w - 3])
+    loss0, ref = loss_and_grads(model, ex, method="orpo", segment_size=0, prefix_shared=True)
+    loss, grads = loss_and_grads(model, ex, method="orpo", segment_size=2, attn_block=BLOCK,
+                                 prefix_shared=True, parts=parts)
+    assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), family
+    worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
+    assert worst <= TOL, (family, worst)
+
+
+def test_layers_that_use_the_mask_themselves_get_arrays():
+    # gemma2 scores by hand; deepseek_v3's MLA adds the mask to its position scores
+    # before attention: neither may see a BlockMask. Plain attention may.
+    for family, takes in (("gemma2", False), ("deepseek_v3", False), ("llama", True),
+                          ("gpt_oss", True)):
+        parts = model_parts(tiny_model(family)[0], name=family)
+        assert parts.block_masks == [takes] * len(parts.layers), family

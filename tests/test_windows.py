@@ -274,6 +274,7 @@ def test_hand_written_attention_keeps_array_masks():
 
     class Parts:
         layers, windows = [layer, olmo3.layers[0], olmo3.layers[2]], [W, W, None]
+        block_masks = [takes_block_masks(layer) for layer in layers]
     own = [window_mask(20, W), window_mask(20, W), "causal"]
     plain = _masks(Parts, Stream(list(range(20)), [0], [1], mx.ones((1, 1))), 20, own)
     assert plain[0] is own[0] and plain[1] == BlockMask(window=W) and plain[2] == "causal"
