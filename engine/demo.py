@@ -15,8 +15,6 @@ import secrets
 import string
 from pathlib import Path
 
-from schemas.job import DEMO_ARCHS as ARCHS, METHODS
-
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -221,6 +219,7 @@ def _write_tokenizer_files(out_dir: Path, tok) -> None:
 
 
 def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: int, bos: int) -> dict:
+    from schemas.job import DEMO_ARCHS as ARCHS  # here: the benchmarks import this module bare
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     head_dim = 64 if hidden >= 512 and hidden % 64 == 0 else 32
@@ -458,6 +457,7 @@ def write_demo(
     leaves a half-written demo behind. Returns the path of job.yaml.
     """
     out_dir = Path(out_dir)
+    from schemas.job import DEMO_ARCHS as ARCHS, METHODS
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     if method not in METHODS:
