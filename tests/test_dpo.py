@@ -11,7 +11,6 @@ import math
 
 import mlx.core as mx
 import pytest
-import yaml
 from mlx.utils import tree_flatten
 
 import engine.step as step
@@ -21,7 +20,7 @@ from engine.step import StepError, adapter_off, eval_loss, loss_and_grads
 from schemas import SpecError
 from schemas.job import JobSpec, load_job
 from schemas.sweep import job_keys, load_sweep
-from tests.conftest import assert_one_line_error, edit_job, segctl
+from tests.conftest import assert_one_line_error, segctl
 from tests.test_orpo import branch_logps, preference
 from tests.test_step import TOL, lora_model, random_example, worst_rel_error
 
@@ -88,19 +87,6 @@ def test_dpo_gradients_equal_plain_autodiff(tiny_models, arch):
         assert worst_rel_error(grads, ref) <= TOL, (arch, seg, shared, chunk, block)
     _, grads = loss_and_grads(model, ex, method="dpo", segment_size=0, grad_checkpoint=True,
                               prefix_shared=True, beta=0.5)
-    assert worst_rel_error(grads, ref) <= TOL
-
-
-def test_rows_whose_prompts_differ_run_two_branch(tiny_models):
-    model = lora_model(tiny_models["qwen3"])
-    ex = preference(model.args.vocab_size, seed=2)
-    other = PreferenceExample(ex.prompt, ex.chosen, ex.rejected,
-                              rejected_prompt=ex.prompt[:-3] + [5, 6])
-    _, ref = loss_and_grads(model, other, method="dpo", segment_size=0)
-    metrics: dict = {}
-    _, grads = loss_and_grads(model, other, method="dpo", segment_size=2, prefix_shared=True,
-                              metrics=metrics)
-    assert metrics["prefix_shared"] is False
     assert worst_rel_error(grads, ref) <= TOL
 
 
@@ -209,22 +195,9 @@ def test_unusable_examples_are_step_errors(tiny_models):
 
 
 def test_segctl_trains_a_dpo_job(tmp_path):
-    demo = tmp_path / "demo"
-    proc = segctl("init-demo", demo, "--arch", "qwen3", "--method", "orpo")
-    assert proc.returncode == 0, proc.stderr
-    # The ORPO demo's rows are preference rows: the same job as DPO
-    job = yaml.safe_load((demo / "job.yaml").read_text())
-    del job["orpo"]
-    job.update(method="dpo", dpo={"beta": 0.1})
-    (demo / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-    edit_job(demo / "job.yaml", train={"iters": 24, "eval_every": 12, "checkpoint_every": 0,
-                                       "warmup": 2, "learning_rate": 1e-3},
-             memory={"segment_size": 2})
-    proc = segctl("train", demo / "job.yaml")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    from tests.test_orpo import train_preference_demo
+    demo, events = train_preference_demo(tmp_path, "qwen3", "dpo")
     steps = [e for e in events if e["event"] == "step"]
-    assert len(steps) == 24
     assert all(s["prefix_shared"] is True and s["accuracy"] in (0.0, 1.0)
                and s["margin"] == pytest.approx(s["chosen_reward"] - s["rejected_reward"],
                                                 abs=1e-6)

@@ -14,6 +14,28 @@ from node.raynode import alive
 from .conftest import assert_one_line_error, segctl
 
 
+def preference_sweep(tmp_path, env, arch: str, method: str, knob: str) -> list[dict]:
+    """A 2-trial sweep over `knob` (0.1, 0.5) on a `method` demo of `arch`; every
+    trial succeeds; returns its step rows from the telemetry store."""
+    import pyarrow.dataset as ds
+    folder = tmp_path / method
+    assert segctl("init-demo", folder, "--arch", arch, "--method", method).returncode == 0
+    sweep = {"name": method, "base": "job.yaml", "grid": {
+        knob: [0.1, 0.5], "train.iters": [4], "train.eval_every": [2],
+        "train.checkpoint_every": [2], "memory.segment_size": ["auto"]}}
+    (folder / "sweep2.yaml").write_text(yaml.safe_dump(sweep))
+    proc = segctl("submit", folder / "sweep2.yaml", env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sweeps = {s["sweep"]: s for s in json.loads(segctl("status", "--json", env=env).stdout)}
+    trials = sweeps[f"{method}-1"]["trials"]
+    assert [t["state"] for t in trials] == ["SUCCEEDED", "SUCCEEDED"], trials
+    assert sorted(t["params"][knob] for t in trials) == [0.1, 0.5]
+    steps = ds.dataset(env["SEGCTL_HOME"] / "telemetry" / "steps", partitioning="hive").to_table(
+        filter=ds.field("sweep") == f"{method}-1").to_pylist()
+    assert len(steps) == 8
+    return steps
+
+
 def test_submit_a_job_on_this_machine_then_status_logs_and_down(demo_dir, tmp_path):
     home = tmp_path / "home"
     env = {"SEGCTL_HOME": home, "SEGCTL_CLUSTER": None}
@@ -47,46 +69,18 @@ def test_submit_a_job_on_this_machine_then_status_logs_and_down(demo_dir, tmp_pa
             assert fragment in logs.stdout, (fragment, logs.stdout)
         assert (home / "state.db").exists() and (home / "adapters.zarr").exists()
 
-        # ORPO jobs go through the same fleet unchanged: a Gemma-4 preference sweep
-        # over orpo.lambda on the running one-node fleet.
-        orpo = tmp_path / "orpo"
-        assert segctl("init-demo", orpo, "--arch", "gemma4_text", "--method", "orpo").returncode == 0
-        sweep = {"name": "orpo", "base": "job.yaml", "grid": {
-            "orpo.lambda": [0.1, 0.5], "train.iters": [4], "train.eval_every": [2],
-            "train.checkpoint_every": [2], "memory.segment_size": ["auto"]}}
-        (orpo / "orpo.yaml").write_text(yaml.safe_dump(sweep))
-        proc = segctl("submit", orpo / "orpo.yaml", env=env, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        sweeps = {s["sweep"]: s for s in json.loads(segctl("status", "--json", env=env).stdout)}
-        trials = sweeps["orpo-1"]["trials"]
-        assert [t["state"] for t in trials] == ["SUCCEEDED", "SUCCEEDED"], trials
-        import pyarrow.dataset as ds
-        steps = ds.dataset(home / "telemetry" / "steps", partitioning="hive").to_table(
-            filter=ds.field("sweep") == "orpo-1").to_pylist()
-        assert len(steps) == 8
+        # Preference jobs go through the same fleet unchanged: a Gemma-4 ORPO sweep
+        # over orpo.lambda, and a gpt-oss (sinks, sliding layers, MoE) DPO sweep
+        # over dpo.beta, on the running one-node fleet.
+        steps = preference_sweep(tmp_path, env, "gemma4_text", "orpo", "orpo.lambda")
         assert all(r["margin"] is not None and r["prefix_shared"] for r in steps)
         out = tmp_path / "best"
         assert segctl("gather", "orpo-1", "--out", out, "--best", "1", env=env).returncode == 0
         from mlx_lm import load
         [folder] = [p for p in out.iterdir() if p.is_dir()]
-        load(str(orpo / "model"), adapter_path=str(folder))
+        load(str(tmp_path / "orpo" / "model"), adapter_path=str(folder))
 
-        # DPO too: a beta sweep over a gpt-oss demo (sinks, sliding layers, MoE).
-        dpo = tmp_path / "dpo"
-        assert segctl("init-demo", dpo, "--arch", "gpt_oss", "--method", "dpo").returncode == 0
-        sweep = {"name": "dpo", "base": "job.yaml", "grid": {
-            "dpo.beta": [0.1, 0.5], "train.iters": [4], "train.eval_every": [2],
-            "train.checkpoint_every": [2], "memory.segment_size": ["auto"]}}
-        (dpo / "dpo.yaml").write_text(yaml.safe_dump(sweep))
-        proc = segctl("submit", dpo / "dpo.yaml", env=env, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        sweeps = {s["sweep"]: s for s in json.loads(segctl("status", "--json", env=env).stdout)}
-        trials = sweeps["dpo-1"]["trials"]
-        assert [t["state"] for t in trials] == ["SUCCEEDED", "SUCCEEDED"], trials
-        assert sorted(t["params"]["dpo.beta"] for t in trials) == [0.1, 0.5]
-        steps = ds.dataset(home / "telemetry" / "steps", partitioning="hive").to_table(
-            filter=ds.field("sweep") == "dpo-1").to_pylist()
-        assert len(steps) == 8
+        steps = preference_sweep(tmp_path, env, "gpt_oss", "dpo", "dpo.beta")
         assert all(r["margin"] is not None and r["chosen_reward"] is not None for r in steps)
     finally:
         info = json.loads((home / "fleet.json").read_text()) if (home / "fleet.json").exists() else {}

@@ -100,14 +100,15 @@ def test_gemma4_sft_gradients_equal_plain_autodiff(tiny_models):
         assert worst_rel_error(grads, ref) <= TOL
 
 
-def test_rows_whose_prompts_differ_run_two_branch(tiny_models):
+@pytest.mark.parametrize("method", ["orpo", "dpo"])
+def test_rows_whose_prompts_differ_run_two_branch(tiny_models, method):
     model = lora_model(tiny_models["qwen3"])
     ex = preference(model.args.vocab_size, seed=2)
     other = PreferenceExample(ex.prompt, ex.chosen, ex.rejected,
                               rejected_prompt=ex.prompt[:-3] + [5, 6])
-    _, ref = loss_and_grads(model, other, method="orpo", segment_size=0)
+    _, ref = loss_and_grads(model, other, method=method, segment_size=0)
     metrics: dict = {}
-    _, grads = loss_and_grads(model, other, method="orpo", segment_size=2, prefix_shared=True,
+    _, grads = loss_and_grads(model, other, method=method, segment_size=2, prefix_shared=True,
                               metrics=metrics)
     assert metrics["prefix_shared"] is False
     assert worst_rel_error(grads, ref) <= TOL
@@ -149,10 +150,11 @@ def test_unusable_preference_examples_are_step_errors(tiny_models):
                        segment_size=1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma4_text"])
-def test_segctl_trains_the_orpo_demo(tmp_path, arch):
+def train_preference_demo(tmp_path, arch: str, method: str) -> list[dict]:
+    """`segctl init-demo --method METHOD` then 24 steps of `segctl train` at segment
+    size 2 (24 step events); returns (the demo folder, the events)."""
     demo = tmp_path / "demo"
-    proc = segctl("init-demo", demo, "--arch", arch, "--method", "orpo")
+    proc = segctl("init-demo", demo, "--arch", arch, "--method", method)
     assert proc.returncode == 0, proc.stderr
     edit_job(demo / "job.yaml", train={"iters": 24, "eval_every": 12, "checkpoint_every": 0,
                                        "warmup": 2, "learning_rate": 1e-3},
@@ -162,6 +164,13 @@ def test_segctl_trains_the_orpo_demo(tmp_path, arch):
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     steps = [e for e in events if e["event"] == "step"]
     assert len(steps) == 24
+    return demo, events
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma4_text"])
+def test_segctl_trains_the_orpo_demo(tmp_path, arch):
+    demo, events = train_preference_demo(tmp_path, arch, "orpo")
+    steps = [e for e in events if e["event"] == "step"]
     assert all(s["prefix_shared"] is True and s["margin"] is not None
                and s["accuracy"] in (0.0, 1.0) for s in steps)
     first = sum(s["loss"] for s in steps[:6]) / 6
