@@ -191,7 +191,8 @@ def _sft_plan(ex: Example) -> Plan:
 
 
 def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -> Plan:
-    """ENGINE.md's ORPO, on `_preference_streams`' sums."""
+    """ORPO: NLL of the chosen response plus lambda x softplus(-log odds ratio) of the
+    length-normalised chosen and rejected log-probs, on `_preference_streams`' sums."""
     if nll_scope not in ("response", "full"):
         raise StepError(f"nll_scope must be response or full, got {nll_scope!r}")
     full = nll_scope == "full"
