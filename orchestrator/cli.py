@@ -48,9 +48,9 @@ def main():
 @main.command("init-demo")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--arch", type=click.Choice(DEMO_ARCHS), default="qwen3", show_default=True,
-              help="mlx-lm architecture of the demo model (gemma2, gemma3_text, gpt_oss, "
-                   "olmo3: sliding and full attention layers; gemma4_text: also later layers "
-                   "sharing earlier layers' K/V)")
+              help="mlx-lm architecture of the demo model (gemma3_text, gpt_oss, olmo3: "
+                   "sliding and full attention layers; gemma4_text: also later layers "
+                   "sharing earlier layers' K/V; gemma2: soft-capped attention and logits)")
 @click.option("--method", type=click.Choice(METHODS), default="sft",
               show_default=True,
               help="sft: prompt/completion rows; orpo, dpo: prompt/chosen/rejected rows and an "
