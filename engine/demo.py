@@ -286,6 +286,11 @@ def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: 
 # layers of these families really slide.
 DEMO_WINDOW = 16
 
+def _alternating(layers: int) -> list[str]:
+    """layer_types of sliding and full attention layers in turn, sliding first."""
+    return [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+
+
 # What each family adds to the common config: its own twists set to values that
 # matter (multipliers not 1, soft-caps that bite), and sliding and full layers
 # mixed where the family has both.
@@ -301,10 +306,10 @@ FAMILY_CONFIGS = {
     "gpt_oss": lambda layers, head_dim: dict(
         rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=DEMO_WINDOW, swiglu_limit=7.0, tie_word_embeddings=False,
-        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)]),
+        layer_types=_alternating(layers)),
     "olmo3": lambda layers, head_dim: dict(
         rms_norm_eps=1e-6, sliding_window=DEMO_WINDOW, tie_word_embeddings=False,
-        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)]),
+        layer_types=_alternating(layers)),
     "granite": lambda layers, head_dim: dict(
         rms_norm_eps=1e-5, logits_scaling=4.0, attention_multiplier=1.0 / head_dim,
         embedding_multiplier=6.0, residual_multiplier=0.5, attention_bias=False,
@@ -336,7 +341,7 @@ def _gemma4_config(common: dict, *, head_dim: int, layers: int, vocab_size: int,
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": GEMMA4_WINDOW,
         "sliding_window_pattern": 2,
-        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        "layer_types": _alternating(layers),
         "num_kv_shared_layers": layers // 2 if layers >= 3 else 0,
         "hidden_size_per_layer_input": 16,
         "vocab_size_per_layer_input": vocab_size,
@@ -453,8 +458,9 @@ def write_demo(
     """Create `out_dir` with model/, data/{train,valid}.jsonl, job.yaml and sweep.yaml.
 
     `method` "sft" writes prompt/completion rows, "orpo" and "dpo" prompt/chosen/
-    rejected rows and an `orpo:` / `dpo:` job section. Built in a sibling temp folder and renamed into place, so a failure never
-    leaves a half-written demo behind. Returns the path of job.yaml.
+    rejected rows and an `orpo:` / `dpo:` job section. Built in a sibling temp
+    folder and renamed into place, so a failure never leaves a half-written demo
+    behind. Returns the path of job.yaml.
     """
     out_dir = Path(out_dir)
     from schemas.job import DEMO_ARCHS as ARCHS, METHODS

@@ -261,7 +261,7 @@ def _declared_nodes(spec):
 @main.command()
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
               help="the model folder to tune (default: --job's model)")
-@click.option("--method", type=click.Choice(["sft", "orpo", "dpo"]), default=None,
+@click.option("--method", type=click.Choice(METHODS), default=None,
               help="the loss the probes train with [default: --job's, else sft]")
 @click.option("--seq-lens", required=True, metavar="N,N,...",
               help="row lengths in tokens to probe, e.g. 1024,4096,8192")

@@ -13,11 +13,11 @@ The state machine (../shared/DESIGN.md):
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import BaseModel, Field
 
-from .job import LoraSpec
+from .job import LoraSpec, Method
 
 
 class TrialState(str, Enum):
@@ -102,7 +102,7 @@ class ProbeSpec(BaseModel):
     """What `segctl tune` has one node measure: a few training steps at each
     (sequence length, segment size) point, under the node's memory budget."""
     model: str                       # the model folder (fetched from the head when absent)
-    method: Literal["sft", "orpo", "dpo"] = "sft"
+    method: Method = "sft"
     prefix_shared: bool = True       # orpo, dpo: one pass over [prompt | chosen | rejected]
     lora: LoraSpec = LoraSpec()
     head_chunk: int = 512
