@@ -46,6 +46,21 @@ def assert_one_line_error(proc, *fragments, code=2):
     return err
 
 
+def random_lora(model, *, dropout: float = 0.0):
+    """Put rank-4 LoRA on every linear of `model` with every adapter weight drawn at
+    random (seed the generator first): LoRA's B starts at zero, which would make
+    every A gradient zero, so this makes every gradient a real, non-trivial number."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from engine.model import apply_lora
+    apply_lora(model, rank=4, scale=2.0, dropout=dropout)
+    model.load_weights([(n, 0.05 * mx.random.normal(v.shape))
+                        for n, v in tree_flatten(model.trainable_parameters())], strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
 def letter_model(root: Path, n_train: int, n_valid: int, words: tuple[int, int]) -> None:
     """ROOT/model (qwen3, 4 layers x 64) and ROOT/data/{train,valid}.jsonl of long
     prompt/completion rows: letters counting on from a start letter, `words`

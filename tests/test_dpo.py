@@ -11,16 +11,15 @@ import math
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 import engine.step as step
 from engine.data import PreferenceExample
-from engine.model import apply_lora, load_model
+from engine.model import load_model
 from engine.step import StepError, adapter_off, eval_loss, loss_and_grads
 from schemas import SpecError
 from schemas.job import JobSpec, load_job
 from schemas.sweep import job_keys, load_sweep
-from tests.conftest import assert_one_line_error, segctl
+from tests.conftest import assert_one_line_error, random_lora, segctl
 from tests.test_orpo import branch_logps, preference
 from tests.test_step import TOL, lora_model, random_example, worst_rel_error
 
@@ -153,9 +152,7 @@ def test_the_reference_pass_leaves_dropout_and_its_random_draws_alone(tiny_model
     # it, and segment sizes still agree (each layer runs under its own seed).
     model, _ = load_model(tiny_models["qwen3"])
     mx.random.seed(0)
-    apply_lora(model, rank=4, scale=2.0, dropout=0.3)
-    model.load_weights([(n, 0.05 * mx.random.normal(v.shape))
-                        for n, v in tree_flatten(model.trainable_parameters())], strict=False)
+    random_lora(model, dropout=0.3)
     model.train()
     ex = preference(model.args.vocab_size, seed=6)
     parts = step.model_parts(model, check=False)

@@ -13,23 +13,19 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 from engine import Example, loss_and_grads
-from engine.model import ModelError, apply_lora, check_length, model_parts
+from engine.model import ModelError, check_length, model_parts
 from tests.zoo import families, tiny_model
+from tests.conftest import random_lora
 
 TOL = 1e-4
 BLOCK = 16
 
 
 def _lora(model):
-    apply_lora(model, rank=4, scale=2.0, dropout=0.0)
-    # B starts at zero (every A gradient would be zero): randomise all of it.
     mx.random.seed(1)
-    model.load_weights([(n, 0.05 * mx.random.normal(v.shape))
-                        for n, v in tree_flatten(model.trainable_parameters())], strict=False)
-    mx.eval(model.parameters())
+    random_lora(model)
 
 
 def _vocab(model):

@@ -10,12 +10,11 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
 
 from engine import Example, loss_and_grads
-from engine.model import apply_lora, load_model, model_parts
+from engine.model import load_model, model_parts
 from orchestrator import planner
-from tests.conftest import cli_env, segctl
+from tests.conftest import cli_env, random_lora, segctl
 from tests.test_train_cli import copy_demo
 
 
@@ -44,9 +43,7 @@ def test_segmented_gradients_on_a_quantized_base_are_exact(q4):
     model, _ = load_model(q4)
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     mx.random.seed(0)
-    apply_lora(model, rank=4, scale=2.0, dropout=0.0)
-    model.load_weights([(n, 0.05 * mx.random.normal(v.shape))
-                        for n, v in tree_flatten(model.trainable_parameters())], strict=False)
+    random_lora(model)
     parts = model_parts(model, check=False)
     vocab = model.args.vocab_size
     ex = Example(mx.random.randint(1, vocab, (60,), key=mx.random.key(1)).tolist(), 20)

@@ -7,8 +7,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from engine import Example, loss_and_grads, plan_segments
-from engine.model import ModelError, apply_lora, load_model, model_parts
+from engine.model import ModelError, load_model, model_parts
 from engine.step import StepError
+from tests.conftest import random_lora
 
 TOL = 1e-4  # fp32 worst relative error, per tensor: max|a-b| / max|b|
 
@@ -16,14 +17,7 @@ TOL = 1e-4  # fp32 worst relative error, per tensor: max|a-b| / max|b|
 def lora_model(folder, seed=0):
     model, _ = load_model(folder)
     mx.random.seed(seed)
-    apply_lora(model, rank=4, scale=2.0, dropout=0.0)
-    # LoRA's B starts at zero, which would make every A gradient zero: randomise
-    # all adapter weights so every gradient is a real, non-trivial number.
-    fresh = [(n, 0.05 * mx.random.normal(v.shape)) for n, v in
-             tree_flatten(model.trainable_parameters())]
-    model.load_weights(fresh, strict=False)
-    mx.eval(model.parameters())
-    return model
+    return random_lora(model)
 
 
 def random_example(vocab, n=41, prompt_len=13, seed=0):

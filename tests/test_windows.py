@@ -13,15 +13,15 @@ import sys
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
 from engine import Example, loss_and_grads
 from engine.attention import BlockMask, _blocked_grads, attend, default_rows
 from engine.data import PreferenceExample
-from engine.model import apply_lora, model_parts
+from engine.model import model_parts
 from engine.step import eval_loss
 from tests.test_step import TOL, worst_rel_error
+from tests.conftest import random_lora
 
 W = 8
 PAIR = ["sliding_attention", "full_attention"]
@@ -57,12 +57,7 @@ def tiny(name: str, **extra):
     if name == "gpt_oss":  # sinks start at zero; give them weight so they matter
         model.update({"model": {"layers": [{"self_attn": {"sinks": mx.random.normal((4,))}}
                                            for _ in model.layers]}})
-    apply_lora(model, rank=4, scale=2.0, dropout=0.0)
-    # LoRA's B starts at zero (every A gradient would be zero): randomise all of it.
-    model.load_weights([(n, 0.05 * mx.random.normal(v.shape))
-                        for n, v in tree_flatten(model.trainable_parameters())], strict=False)
-    mx.eval(model.parameters())
-    return model
+    return random_lora(model)
 
 
 def tokens(n, seed):
