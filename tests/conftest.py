@@ -46,6 +46,13 @@ def assert_one_line_error(proc, *fragments, code=2):
     return err
 
 
+def free_earlier_arrays() -> None:
+    """A peak measured in this process counts every live array: free what earlier
+    tests left in reference cycles (models and their closures) before measuring."""
+    import gc
+    gc.collect()
+
+
 def random_lora(model, *, dropout: float = 0.0):
     """Put rank-4 LoRA on every linear of `model` with every adapter weight drawn at
     random (seed the generator first): LoRA's B starts at zero, which would make

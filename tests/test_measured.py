@@ -16,7 +16,7 @@ from orchestrator.stores import Stores
 from schemas.job import JobSpec
 from schemas.records import ProbeSpec
 
-from .conftest import assert_one_line_error, segctl
+from .conftest import assert_one_line_error, free_earlier_arrays, segctl
 
 GRID = [(L, s) for L in (192, 384, 768) for s in (1, 2, 4)]
 OFF_GRID = [(288, 3), (576, 3), (576, 1), (288, 4)]
@@ -42,6 +42,7 @@ def _rows(events: list[dict], node_class: str = "sim/1GB") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def probed(demo_dir):
+    free_earlier_arrays()   # the probes run in this process and measure its peak
     model = str(demo_dir / "model")
     return model, _probe(model, GRID), _probe(model, OFF_GRID)
 

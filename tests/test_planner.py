@@ -12,6 +12,7 @@ import pytest
 from bench.planner_fit import measure_peak_gb, random_row
 from orchestrator.planner import ModelInfo, longest_row, model_info, plan, predict_gb
 from schemas.job import JobSpec, load_job
+from tests.conftest import free_earlier_arrays
 
 # Qwen3-0.6B's shape in bf16, and a deep 80-layer one: the planner is used on
 # models like these without ever loading them.
@@ -241,12 +242,8 @@ def test_longest_row_is_the_engine_datasets_longest_example(demo_dir):
 ])
 def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_size, attn_block):
     """The engine's own step, measured as engine/train.py measures it."""
-    import gc
-
     from engine.model import apply_lora, load_model
-    # The peak counts every live array of the process: free what earlier tests
-    # left in reference cycles (models and their closures) first.
-    gc.collect()
+    free_earlier_arrays()
 
     info = model_info(str(tiny_models[arch]))
     model, _ = load_model(tiny_models[arch])
