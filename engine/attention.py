@@ -40,9 +40,8 @@ own rectangle only:
   window reaches back over positions, into the prompt's last keys.
 
 Only layers whose attention calls an mlx-lm module's `scaled_dot_product_attention`
-(`takes_block_masks`) and hands it the mask unchanged can take a BlockMask;
-engine/model.py tries that once per layer class (`ModelParts.block_masks`), and
-the others (attention written by hand, MLA's position scores) keep array masks. Every row sees all its keys in one call, so attention sinks (a
+can take a BlockMask (`takes_block_masks`); attention written by hand keeps
+array masks. Every row sees all its keys in one call, so attention sinks (a
 per-head logit in the softmax denominator only) pass to each call unchanged, and
 the blocked backward returns their gradient too.
 """

@@ -34,8 +34,6 @@ from mlx.utils import tree_flatten
 
 from mlx_lm.models.base import create_attention_mask
 
-from .attention import BlockMask, block_mask_sdpa, swapped_sdpa, takes_block_masks
-
 
 class ModelError(Exception):
     """The model folder or its architecture cannot be used; message names the folder."""
@@ -168,9 +166,7 @@ def model_parts(model: nn.Module, *, name: str = "model", check: bool = True,
         parts = _plain_parts(text, inner, ttype, name, length)
     if text is not model:
         parts.prefix = "language_model.model.layers"
-    if ttype == "gemma4_text":  # tested to take them (K/V sharing, per-layer inputs)
-        parts.block_masks = [takes_block_masks(layer) for layer in parts.layers]
-    elif run_layers:  # not on a model built from config.json alone (check_family)
+    if run_layers:  # not on a model built from config.json alone (check_family)
         parts.block_masks = _block_mask_layers(parts, inner.embed_tokens.weight.shape[0])
     if check:
         _check_parts(model, parts, name, mtype, length, inner.embed_tokens.weight.shape[0])
@@ -215,6 +211,7 @@ class _MaskSpec:
 
 @dataclass
 class _Observed:
+    h0: mx.array                 # what the model hands its first layer
     masks: list                  # per layer: a _MaskSpec, None or "causal"
     mask_keys: list              # per layer: {argument name: None, or "mask" for the mask}
 
@@ -238,10 +235,11 @@ class _CutError(Exception):
     pass
 
 
-def _tapped(inner, ids) -> list:
+def _observe(inner, ids) -> _Observed:
     """Run inner(ids) with every layer replaced by a _Tap and the module's
-    create_attention_mask by a recorder; returns the taps' log of calls, in order.
-    Costs an embedding lookup, no layer."""
+    create_attention_mask by a recorder: the model's own forward then says what its
+    first layer receives, which mask each layer gets, and that each layer's output
+    goes unchanged into the next. Costs an embedding lookup, no layer."""
     import inspect
     import sys
 
@@ -270,21 +268,6 @@ def _tapped(inner, ids) -> list:
         inner.layers = layers
         if saved_mask is not None:
             module.create_attention_mask = saved_mask
-    return log
-
-
-def _first_input(log) -> mx.array:
-    _, args, kwargs = log[0]
-    return args[0] if args else next(iter(kwargs.values()))
-
-
-def _observe(inner, ids) -> _Observed:
-    """The model's own forward, run through `_tapped`, says which mask each layer
-    gets and that each layer's output goes unchanged into the next."""
-    import inspect
-
-    layers = list(inner.layers)
-    log = _tapped(inner, ids)
     if len(log) != len(layers) or any(t._layer is not l for (t, _, _), l in zip(log, layers)):
         raise _CutError("its forward does not call each layer once, in order")
     masks, keys, prev = [], [], None
@@ -307,26 +290,33 @@ def _observe(inner, ids) -> _Observed:
         # The mask goes under its own name; the rest the model passed (None, a
         # cache it does not have) are passed as None again.
         keys.append({n: None for n in names[1:]} | ({mkey: "mask"} if mkey else {}))
-    return _Observed(masks, keys)
+    return _Observed(log[0][1][0] if log[0][1] else next(iter(log[0][2].values())), masks, keys)
 
 
 def _block_mask_layers(parts: ModelParts, vocab: int) -> list[bool]:
     """Per layer, whether its attention takes a BlockMask (engine/attention.py) and
     gives what "causal" gives: it must hand the mask to mlx-lm's attention and
     nothing else (MLA, for one, also adds it to position scores itself). Tried
-    once per layer class on a few tokens; a layer that fails gets array masks."""
+    once per layer class on a few tokens; a layer that fails gets array masks.
+    Gemma-4's layers (K/V sharing, per-layer inputs) are tested to take them."""
+    from .attention import BlockMask, block_mask_sdpa, swapped_sdpa, takes_block_masks
+
+    if parts.donors and any(d is not None for d in parts.donors) or \
+            type(parts.layers[0]).__module__.endswith("gemma4_text"):
+        return [takes_block_masks(layer) for layer in parts.layers]
     verdict: dict[type, bool] = {}
     ids = mx.array([[(5 * i + 1) % vocab for i in range(6)]])
     out = []
     for i, layer in enumerate(parts.layers):
         kind = type(layer)
         if kind not in verdict:
-            verdict[kind] = takes_block_masks(layer) and _same_with_block_mask(parts, i, ids)
+            verdict[kind] = takes_block_masks(layer) and _same_with_block_mask(
+                parts, i, ids, BlockMask, block_mask_sdpa, swapped_sdpa)
         out.append(verdict[kind])
     return out
 
 
-def _same_with_block_mask(parts, i, ids) -> bool:
+def _same_with_block_mask(parts, i, ids, BlockMask, block_mask_sdpa, swapped_sdpa) -> bool:
     try:
         h = parts.embed(ids)
         ref, _ = parts.call(i, h, "causal")
@@ -363,7 +353,7 @@ def _plain_parts(model, inner, mtype, name, length) -> ModelParts:
     twist = _LOGIT_TWISTS.get(mtype)
 
     def embed(ids):
-        return _first_input(_tapped(inner, ids))
+        return _observe(inner, ids).h0
 
     def head(hn):
         if mtype == "minicpm":
