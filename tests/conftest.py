@@ -46,11 +46,23 @@ def assert_one_line_error(proc, *fragments, code=2):
     return err
 
 
-def free_earlier_arrays() -> None:
-    """A peak measured in this process counts every live array: free what earlier
-    tests left in reference cycles (models and their closures) before measuring."""
-    import gc
-    gc.collect()
+def probe_fresh(spec, tmp: Path) -> list[dict]:
+    """Probe events for `spec` (a ProbeSpec) measured the way a node measures them:
+    in a fresh `node.worker --probe` process, so the peaks hold this model alone
+    and not whatever arrays earlier tests left alive in the test process."""
+    import json
+    spec_file = tmp / f"probe-{os.getpid()}-{id(spec)}.json"
+    spec_file.write_text(spec.model_dump_json())
+    # The worker exits when its stdin closes (its parent is gone): keep it open.
+    with open(spec_file.with_suffix(".err"), "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "node.worker", "--probe", str(spec_file)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=cli_env(), cwd=ROOT)
+        out = proc.stdout.read()
+        proc.stdin.close()
+        err.seek(0)
+        assert proc.wait(timeout=600) == 0, (proc.returncode, out[-2000:], err.read()[-2000:])
+    return [e for e in map(json.loads, out.splitlines()) if e.get("event") == "probe"]
 
 
 def random_lora(model, *, dropout: float = 0.0):

@@ -6,27 +6,27 @@ real Parquet files, and `segctl tune`'s refusals of bad input."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine.probe import run_probes, synthetic_row
+from engine.probe import synthetic_row
 from orchestrator import measured, planner
 from orchestrator.stores import Stores
 from schemas.job import JobSpec
 from schemas.records import ProbeSpec
 
-from .conftest import assert_one_line_error, free_earlier_arrays, segctl
+from .conftest import assert_one_line_error, probe_fresh, segctl
 
 GRID = [(L, s) for L in (192, 384, 768) for s in (1, 2, 4)]
 OFF_GRID = [(288, 3), (576, 3), (576, 1), (288, 4)]
 
 
 def _probe(model: str, points, budget: float = 100.0, **kw) -> list[dict]:
-    out = []
-    run_probes(ProbeSpec(model=model, budget_gb=budget, points=points, steps=2, **kw),
-               lambda e: out.append(e.model_dump()), time.time)
-    return out
+    folder = Path(model).parent
+    return probe_fresh(ProbeSpec(model=model, budget_gb=budget, points=points, steps=2, **kw),
+                       folder)
 
 
 def _rows(events: list[dict], node_class: str = "sim/1GB") -> list[dict]:
@@ -42,7 +42,6 @@ def _rows(events: list[dict], node_class: str = "sim/1GB") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def probed(demo_dir):
-    free_earlier_arrays()   # the probes run in this process and measure its peak
     model = str(demo_dir / "model")
     return model, _probe(model, GRID), _probe(model, OFF_GRID)
 

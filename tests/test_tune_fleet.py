@@ -10,7 +10,6 @@ test, decides which probes "do not fit".
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,7 +18,7 @@ import yaml
 
 from node.raynode import alive
 
-from .conftest import letter_model, segctl
+from .conftest import letter_model, probe_fresh, segctl
 
 PORT = 6473
 LENGTHS, SIZES = (128, 256, 384), (1, 2, 4)
@@ -27,7 +26,6 @@ LENGTHS, SIZES = (128, 256, 384), (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from engine.probe import run_probes
     from orchestrator import planner
     from schemas.job import load_job
     from schemas.records import ProbeSpec
@@ -44,11 +42,9 @@ def fleet(tmp_path_factory):
 
     # The small budget: size 2 fits at the sweep's rows with room for the margin
     # and the fit's error, size 4 does not.
-    peaks = []
-    run_probes(ProbeSpec(model=str(root / "model"), budget_gb=100, steps=2,
-                         points=[(seq_len, 2), (seq_len, 4)]),
-               lambda e: peaks.append(e.peak_gb), time.time)
-    p2, p4 = peaks
+    p2, p4 = (e["peak_gb"] for e in probe_fresh(
+        ProbeSpec(model=str(root / "model"), budget_gb=100, steps=2,
+                  points=[(seq_len, 2), (seq_len, 4)]), root))
     low = p2 * 1.12 / 0.9
     assert low < p4 * 0.95, (p2, p4)
     small = round((low + p4 * 0.95) / 2, 5)
