@@ -8,16 +8,24 @@ One loop, top to bottom each turn:
      holds, only on nodes where the planner predicts the trial fits.
 Agents call back into the same actor (`started`, `ingest`, `checkpoint`), which
 makes this actor the collector: the stores' only writer.
+
+No failure stops the loop. Each is charged to the smallest thing it belongs to:
+a sweep that cannot be planned fails that sweep, an agent that raises ends that
+attempt (and frees its node), a store that cannot be written leaves that attempt
+to be sealed again later; the loop goes on placing everyone else. What went
+wrong goes to logs/head.log (rotated).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import logging.handlers
 import os
 import threading
 import time
-import traceback
+import uuid
 from pathlib import Path
 
 import ray
@@ -28,10 +36,11 @@ from schemas.records import (AttemptResult, AttemptSpec, NodeInfo, ProbeSpec, Sw
                              TrialState)
 
 from . import measured, planner
-from .state import State
+from .state import State, read as read_state
 from .stores import Stores
 
 HEAD_NAME = "segctl-head"
+LOG_BYTES, LOG_KEEP = 1 << 20, 3      # head.log rotates at 1 MiB, three old ones kept
 NAMESPACE = "segctl"
 TICK_S = 0.2
 NODES_EVERY_S = 1.0
@@ -42,11 +51,18 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
 
 
 class Controller:
-    def __init__(self, root: Path, *, list_nodes, spawn_agent, clock=time.time):
+    """`list_nodes`, `spawn_agent`, `clock`, `wait` and `get` are how it reaches the
+    world (Ray's node table, agent actors, time, ray.wait, ray.get): tests pass
+    fakes to drive it through failures turn by turn."""
+
+    def __init__(self, root: Path, *, list_nodes, spawn_agent, clock=time.time,
+                 wait=None, get=None):
         self.root = Path(root)
+        self.log = head_log(self.root)
         self.state = State(self.root / "state.db", clock=clock)
         self.stores = Stores(self.root)
         self.list_nodes, self.spawn_agent, self.clock = list_nodes, spawn_agent, clock
+        self.wait, self.get = wait or ray.wait, get or ray.get
         self.mu = threading.RLock()
         self.nodes: dict[str, NodeInfo] = {}
         self.agents: dict[str, object] = {}
@@ -69,10 +85,11 @@ class Controller:
         blobs {sha: bytes} (the data files, shipped from the submitting machine)."""
         inputs = self.root / "inputs"
         inputs.mkdir(parents=True, exist_ok=True)
+        os.chmod(inputs, 0o700)   # copies of people's training data
         for sha, blob in payload["blobs"].items():
             if hashlib.sha256(blob).hexdigest() != sha:
                 raise ValueError(f"input {sha[:12]} arrived damaged")
-            _atomic_write(inputs / sha, blob)
+            _write_input(inputs / sha, blob, sha)
         with self.mu:
             sid = self.state.add_sweep(payload["name"], payload["path"], payload["spec"],
                                        payload["trials"])
@@ -113,6 +130,7 @@ class Controller:
             s = self.state.one("SELECT * FROM sweeps WHERE id = ?", (sid,))
             if s is None:
                 raise KeyError(f"no sweep named {sid!r}")
+            self.reseal(sid)   # results a failed store write left behind
             if s["state"] == SweepState.INTERRUPTED.value:
                 self.state.set_sweep_state(sid, SweepState.RUNNING, "resumed by user")
                 self.wake.set()
@@ -229,24 +247,33 @@ class Controller:
         while not stop.is_set():
             try:
                 self.turn()
-            except Exception:  # keep the head alive; say what went wrong in logs/head.log
-                log = self.root / "logs" / "head.log"
-                log.parent.mkdir(parents=True, exist_ok=True)
-                with open(log, "a", encoding="utf-8") as f:
-                    f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} controller turn failed\n"
-                            f"{traceback.format_exc()}\n")
+            except Exception as e:  # a bug of ours above every guard: log it, go on
+                self.fault("controller turn", e)
                 time.sleep(1.0)
+
+    def fault(self, what: str, e: BaseException) -> str:
+        """Log a failure charged to `what` (with its trace) and return it in one line."""
+        self.log.error(f"{what} failed", exc_info=(type(e), e, e.__traceback__))
+        return f"{what}: {_one_line(e)}"
+
+    def guarded(self, what: str, fn, *args):
+        """fn(*args), a failure logged and charged to `what`, never to the loop."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.fault(what, e)
+            return None
 
     def turn(self) -> None:
         if self.clock() - self.nodes_seen > NODES_EVERY_S:
-            self.refresh_nodes()
-        if self.agents_up():
+            self.guarded("listing nodes", self.refresh_nodes)
+        if self.guarded("starting agents", self.agents_up):
             with self.mu:
                 self.place()
         refs = list(self.inflight) + list(self.probing)
         ready = []
         if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TICK_S)
+            ready, _ = self.wait(refs, num_returns=len(refs), timeout=TICK_S)
         else:
             self.wake.wait(TICK_S)
         self.wake.clear()
@@ -256,24 +283,32 @@ class Controller:
                 self._probed(ref)
                 continue
             aid, tid, node = self.inflight.pop(ref)
-            try:
-                result = ray.get(ref)
-            except LOST as e:
-                result = AttemptResult(attempt=aid, outcome="node_lost",
-                                       message=f"node {node} lost ({type(e).__name__})")
-                self.agents.pop(node, None)   # its agent died with it; a new one if it returns
-            ended.append((aid, result))
+            ended.append((aid, self._result(ref, aid, node)))
             with self.mu:
                 self.busy.pop(node, None)
-                self.free_since[node] = result.ended or self.clock()
+                self.free_since[node] = ended[-1][1].ended or self.clock()
         with self.mu:
             # Freed nodes get their next trial before the finished attempts are
             # filed: storing an adapter takes longer than starting a process.
             self.place()
             for aid, result in ended:
-                self.finish(aid, result)
+                self.guarded(f"attempt {aid}: filing its end", self.finish, aid, result)
             if ended:
                 self.place()   # trials that went back to PENDING (oom, node lost)
+
+    def _result(self, ref, aid: int, node: str) -> AttemptResult:
+        """How an attempt ended, whatever its agent did: a lost node or a failed agent
+        (its disk, a refused model fetch, the head refusing its telemetry) is an
+        outcome of that attempt, retried like a lost node."""
+        try:
+            return self.get(ref)
+        except LOST as e:
+            self.agents.pop(node, None)   # its agent died with it; a new one if it returns
+            return AttemptResult(attempt=aid, outcome="node_lost",
+                                 message=f"node {node} lost ({type(e).__name__})")
+        except Exception as e:
+            line = self.fault(f"attempt {aid}: the agent on {node} failed", e)
+            return AttemptResult(attempt=aid, outcome="agent_error", message=line)
 
     def refresh_nodes(self) -> None:
         self.nodes_seen = self.clock()
@@ -294,14 +329,16 @@ class Controller:
         came = False
         if self.starting:
             pings = {ping: name for name, (_, ping) in self.starting.items()}
-            up, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0)
+            up, _ = self.wait(list(pings), num_returns=len(pings), timeout=0)
             for ping in up:
                 name = pings[ping]
                 agent, _ = self.starting.pop(name)
                 try:
-                    ray.get(ping)
-                except LOST:
-                    continue   # gone before it started; the next refresh tries again
+                    self.get(ping)
+                except Exception as e:   # gone or broken before it started: the next refresh tries again
+                    if not isinstance(e, LOST):
+                        self.fault(f"agent on {name}", e)
+                    continue
                 with self.mu:
                     self.agents[name] = agent
                     self.free_since[name] = self.clock()
@@ -315,39 +352,54 @@ class Controller:
         sweeps = self.state.q("SELECT * FROM sweeps WHERE state = 'RUNNING' "
                               "ORDER BY priority DESC, created")
         for s in sweeps:
-            cap = s["concurrency"]
-            live = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN "
-                                  "('PLACED','RUNNING')", (s["id"],))["n"]
-            spec = json.loads(s["spec"])
-            placement = spec.get("placement") or {}
-            knobs = spec.get("planner") or {}
-            for t in self.state.q("SELECT * FROM trials WHERE sweep = ? AND state = 'PENDING' "
-                                  "ORDER BY idx", (s["id"],)):
-                if not free or (cap is not None and live >= cap):
-                    break
-                excluded = set(json.loads(t["excluded"]))
-                candidates = [n for n in self.nodes.values()
-                              if n.matches(placement) and n.name not in excluded]
-                if not candidates:
-                    if excluded and self.nodes:
-                        self.state.move(t["id"], TrialState.FAILED,
-                                        f"out of memory at segment_size 1 on {sorted(excluded)} "
-                                        "and no other node matches")
-                        self._maybe_done(s["id"])
-                    continue
-                plans = {n.name: self._plan(t, n, knobs) for n in candidates}
-                if not any(p.fits for p in plans.values()):
-                    worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
-                    self.state.move(t["id"], TrialState.FAILED, f"does not fit any node ({worst})")
+            try:
+                self._place_sweep(s, free)
+            except Exception as e:   # this sweep cannot be planned: it fails, the others go on
+                self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: placing it", e))
+
+    def _place_sweep(self, s, free: list[NodeInfo]) -> None:
+        """Place what fits of one sweep's pending trials on `free` (taking the nodes it uses)."""
+        cap = s["concurrency"]
+        live = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN "
+                              "('PLACED','RUNNING')", (s["id"],))["n"]
+        spec = json.loads(s["spec"])
+        placement = spec.get("placement") or {}
+        knobs = spec.get("planner") or {}
+        for t in self.state.q("SELECT * FROM trials WHERE sweep = ? AND state = 'PENDING' "
+                              "ORDER BY idx", (s["id"],)):
+            if not free or (cap is not None and live >= cap):
+                break
+            excluded = set(json.loads(t["excluded"]))
+            candidates = [n for n in self.nodes.values()
+                          if n.matches(placement) and n.name not in excluded]
+            if not candidates:
+                if excluded and self.nodes:
+                    self.state.move(t["id"], TrialState.FAILED,
+                                    f"out of memory at segment_size 1 on {sorted(excluded)} "
+                                    "and no other node matches")
                     self._maybe_done(s["id"])
-                    continue
-                fitting = [n for n in free if n.name in plans and plans[n.name].fits]
-                if not fitting:
-                    continue   # it fits somewhere busy: wait for that node
-                node = max(fitting, key=lambda n: (plans[n.name].segment_size, -n.memory_gb))
-                self.dispatch(t, node, plans[node.name])
-                free.remove(node)
-                live += 1
+                continue
+            plans = {n.name: self._plan(t, n, knobs) for n in candidates}
+            if not any(p.fits for p in plans.values()):
+                worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
+                self.state.move(t["id"], TrialState.FAILED, f"does not fit any node ({worst})")
+                self._maybe_done(s["id"])
+                continue
+            fitting = [n for n in free if n.name in plans and plans[n.name].fits]
+            if not fitting:
+                continue   # it fits somewhere busy: wait for that node
+            node = max(fitting, key=lambda n: (plans[n.name].segment_size, -n.memory_gb))
+            free.remove(node)
+            self.dispatch(t, node, plans[node.name])
+            live += 1
+
+    def fail_sweep(self, sid: str, reason: str) -> None:
+        """The sweep cannot go on: its trials that have not started fail with the
+        reason, running ones finish, and nothing more of it is placed."""
+        for t in self.state.q("SELECT id FROM trials WHERE sweep = ? AND state = 'PENDING'",
+                              (sid,)):
+            self.state.move(t["id"], TrialState.FAILED, reason, message=reason)
+        self.state.set_sweep_state(sid, SweepState.FAILED, reason)
 
     def _place_probes(self, free: list[NodeInfo]) -> list[NodeInfo]:
         """Each queued class of a tune gets a free node of its class; returns the
@@ -376,10 +428,12 @@ class Controller:
     def _probed(self, ref) -> None:
         tid, cls, node = self.probing.pop(ref)
         try:
-            result = ray.get(ref)
+            result = self.get(ref)
         except LOST as e:
             result = {"error": f"node {node} lost ({type(e).__name__})"}
             self.agents.pop(node, None)
+        except Exception as e:   # the agent failed (or the head refused a point): that class fails
+            result = {"error": self.fault(f"tune {tid}: probes of {cls} on {node}", e)}
         with self.mu:
             self.busy.pop(node, None)
             self.free_since[node] = self.clock()
@@ -410,8 +464,19 @@ class Controller:
         return self.fitted[key].get(planner.tune_key(job, node_class))
 
     def dispatch(self, t, node: NodeInfo, plan) -> None:
+        """Start an attempt of trial `t` on `node`. What the attempt needs from the
+        head is read first: a damaged or missing input fails the trial (running it
+        again cannot help). A failure once the attempt is recorded (the agent gone)
+        ends that attempt, not the turn."""
         tid = t["id"]
-        ckpt = self.stores.latest_checkpoint(tid)
+        try:
+            data = {name: _read_input(self.root / "inputs" / sha)
+                    for name, sha in json.loads(t["inputs"]).items()}
+            ckpt = self.stores.latest_checkpoint(tid)
+        except Exception as e:
+            line = self.fault(f"trial {tid}: reading its inputs on the head", e)
+            self.state.move(tid, TrialState.FAILED, line, message=line)
+            return self._maybe_done(t["sweep"])
         # Runnable since: the trial was pending and this node was free (the later).
         ready = max(t["runnable_since"], self.free_since.get(node.name, 0.0))
         aid = self.state.add_attempt(tid, node=node.name, chip=node.chip,
@@ -428,31 +493,45 @@ class Controller:
         mem = job.setdefault("memory", {})
         mem["segment_size"] = plan.segment_size
         mem["budget_gb"] = min(mem.get("budget_gb") or node.memory_gb, node.memory_gb)
-        data = {name: (self.root / "inputs" / sha).read_bytes()
-                for name, sha in json.loads(t["inputs"]).items()}
         spec = AttemptSpec(sweep=t["sweep"], trial=tid, attempt=aid, job=job, data=data,
                            checkpoint_step=ckpt[0] if ckpt else None,
                            checkpoint=ckpt[1] if ckpt else {})
-        ref = self.agents[node.name].run.remote(spec)
+        try:
+            ref = self.agents[node.name].run.remote(spec)
+        except Exception as e:
+            line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
+            return self.finish(aid, AttemptResult(attempt=aid, outcome="agent_error", message=line))
         self.inflight[ref] = (aid, tid, node.name)
         self.busy[node.name] = aid
 
     # ------------------------------------------------------------ outcomes
     def finish(self, aid: int, r: AttemptResult) -> None:
+        """Apply how an attempt ended. The attempt is marked ended with its outcome
+        first (so no restart runs it twice), then its telemetry is sealed into the
+        stores; a seal that fails leaves the attempt unsealed for `reseal` (on
+        `segctl resume` and on the head's restart) and does not hold the trial. A
+        success whose adapter cannot be stored is not a success: the trial runs again."""
         a = self.state.attempt(aid)
         tid, sid = a["trial"], a["sweep"]
         peak = max(a["peak_gb"] or 0.0, r.peak_gb or 0.0) or None
         self.state.update_attempt(aid, status="ended", outcome=r.outcome, message=r.message,
                                   ended=r.ended or self.clock(), peak_gb=peak, final_loss=r.final_loss,
                                   val_loss=r.val_loss, step=r.steps or a["step"])
-        self._seal(aid)
+        self.guarded(f"attempt {aid}: sealing its telemetry (kept for resume)", self._seal, aid)
         t = self.state.trial(tid)
         state = TrialState(t["state"])
         if state in (TrialState.CANCELLED, TrialState.SUCCEEDED, TrialState.FAILED):
             return self._maybe_done(sid)
         seg, node = a["segment_size"], a["node"]
         if r.outcome == "succeeded":
-            self.stores.put_adapter(sid, tid, aid, r.adapter)
+            try:
+                self.stores.put_adapter(sid, tid, aid, r.adapter)
+            except Exception as e:
+                line = self.fault(f"attempt {aid}: storing its adapter", e)
+                r = AttemptResult(attempt=aid, outcome="agent_error",
+                                  message=f"the head could not store the adapter ({line}); run again")
+                self.state.update_attempt(aid, outcome=r.outcome, message=r.message)
+        if r.outcome == "succeeded":
             self.state.move(tid, TrialState.SUCCEEDED, f"finished on {node}: final loss "
                             f"{_fmt(r.final_loss)}, val loss {_fmt(r.val_loss)}", attempt=aid,
                             final_loss=r.final_loss, val_loss=r.val_loss, message="")
@@ -469,7 +548,7 @@ class Controller:
                 self.state.move(tid, TrialState.PENDING,
                                 f"out of memory at segment_size 1 on {node}: try a larger node",
                                 attempt=aid, excluded=json.dumps(excluded))
-        elif r.outcome in ("node_lost", "interrupted"):
+        elif r.outcome in ("node_lost", "interrupted", "agent_error"):
             self.state.move(tid, TrialState.NODE_LOST, r.message, attempt=aid)
             if r.outcome == "interrupted" or self._retry_left(tid, sid, aid):
                 ckpt = self.stores.latest_checkpoint(tid)
@@ -499,13 +578,25 @@ class Controller:
         if left == 0 and s["state"] in (SweepState.RUNNING.value, SweepState.INTERRUPTED.value):
             self.state.set_sweep_state(sid, SweepState.DONE, "every trial finished")
 
-    def _seal(self, aid: int) -> None:
+    def reseal(self, sid: str | None = None) -> int:
+        """Seal every ended attempt (of sweep `sid`, or all) whose seal failed before;
+        returns how many are sealed now. One that fails again stays for next time."""
+        done = 0
+        for a in self.state.q("SELECT id FROM attempts WHERE status = 'ended'"
+                              + (" AND sweep = ?" if sid else ""), (sid,) if sid else ()):
+            if not self.stores.is_sealed(a["id"]):
+                done += self.guarded(f"attempt {a['id']}: sealing it again", self._seal,
+                                     a["id"]) is not None
+        return done
+
+    def _seal(self, aid: int) -> bool:
         a = self.state.attempt(aid)
         row = {k: a[k] for k in ("trial", "attempt_no", "node", "chip", "segment_size",
                                  "predicted_gb", "budget_gb", "outcome", "message", "started",
                                  "ended", "peak_gb", "final_loss", "val_loss")}
         row.update(attempt=aid, steps=a["step"] or 0)
         self.stores.seal_attempt(a["sweep"], a["trial"], aid, row)
+        return True
 
     # ------------------------------------------------------------ restart
     def recover(self) -> None:
@@ -513,26 +604,75 @@ class Controller:
         head that is gone. Close them, send their trials back to PENDING (resumed
         from their last checkpoint), and hold their sweeps until `segctl resume`."""
         for a in self.state.q("SELECT * FROM attempts WHERE status != 'ended'"):
-            self.finish(a["id"], AttemptResult(attempt=a["id"], outcome="interrupted",
-                                               message="the head restarted during this attempt"))
-        for a in self.state.q("SELECT id FROM attempts WHERE status = 'ended'"):
-            if not self.stores.is_sealed(a["id"]):
-                self._seal(a["id"])
+            self.guarded(f"attempt {a['id']}: closing it after a restart", self.finish, a["id"],
+                         AttemptResult(attempt=a["id"], outcome="interrupted",
+                                       message="the head restarted during this attempt"))
+        self.reseal()
         for s in self.state.q("SELECT id FROM sweeps WHERE state = 'RUNNING'"):
             self.state.set_sweep_state(s["id"], SweepState.INTERRUPTED,
                                        "the head restarted; `segctl resume` continues it")
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An error as one short line; a remote task's error by its cause (Ray's own
+    text carries the whole remote traceback)."""
+    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-def _atomic_write(path: Path, blob: bytes) -> None:
-    if path.exists():
+def _write_input(path: Path, blob: bytes, sha: str) -> None:
+    """Keep a data file under its sha256. A copy already there is trusted only if
+    its bytes still hash to its name; a new one goes through a temp name of its
+    own (two submits at once never share one), is fsynced, then renamed in."""
+    if path.exists() and _sha256(path) == sha:
         return
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_input(path: Path) -> bytes:
+    """A data file kept under its sha256, checked: the head never ships rotten bytes."""
+    blob = path.read_bytes()
+    if hashlib.sha256(blob).hexdigest() != path.name:
+        raise ValueError(f"{path}: the head's copy of this data file is damaged; submit again")
+    return blob
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def head_log(root: Path) -> logging.Logger:
+    """The head's own log, ROOT/logs/head.log, rotated so it never grows without bound."""
+    log = logging.getLogger(f"segctl.head.{root}")
+    if not log.handlers:
+        folder = root / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(folder / "head.log", maxBytes=LOG_BYTES,
+                                                       backupCount=LOG_KEEP, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
 
 
 # ------------------------------------------------------------------ the actor
@@ -599,6 +739,8 @@ def get_head(root: Path, *, create: bool = True):
     except ValueError:
         if not create:
             raise ConnectionError("no segctl head is running on this cluster") from None
+        if (Path(root) / "state.db").exists():   # a broken one is said here in one line,
+            read_state(Path(root) / "state.db").close()   # not by a head that dies starting
         head = ray.remote(Head).options(
             name=HEAD_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_concurrency=64, resources={"segctl_head": 0.001},

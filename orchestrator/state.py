@@ -9,6 +9,7 @@ in schemas/records.py and writes the events row in the same transaction.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -54,16 +55,48 @@ class TransitionError(RuntimeError):
     """A move the state machine does not allow: a controller bug, never user input."""
 
 
+class StateError(RuntimeError):
+    """state.db cannot be used (corrupt, locked, not ours): one line naming the file
+    and what to do."""
+
+
+def unusable(path: Path, e: sqlite3.Error) -> StateError:
+    text = str(e)
+    if "locked" in text or "busy" in text:
+        return StateError(f"{path}: locked by another process for {LOCK_WAIT_S:g} s (a second "
+                          "head on the same stores? stop it, or wait for it, and try again)")
+    return StateError(f"{path}: not a usable segctl state database ({text}); move it aside "
+                      "and start again: the telemetry, adapters and data beside it are kept")
+
+
+OPENED: list[Path] = []   # state.db files this process opened, the last one last
+LOCK_WAIT_S = 30.0        # how long a connection waits for another writer's lock
+
+
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
-    if readonly:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        con = sqlite3.connect(path, timeout=30, check_same_thread=False,
-                              isolation_level=None)  # explicit BEGIN/COMMIT below
-        con.execute("PRAGMA journal_mode=WAL")
-        con.execute("PRAGMA synchronous=NORMAL")
-        con.executescript(SCHEMA)
+    """A connection to state.db, checked: a corrupt, locked or foreign file is a
+    StateError here, not a traceback at some later query."""
+    OPENED.append(Path(path))
+    try:
+        if readonly:
+            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=LOCK_WAIT_S)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = not path.exists()
+            con = sqlite3.connect(path, timeout=LOCK_WAIT_S, check_same_thread=False,
+                                  isolation_level=None)  # explicit BEGIN/COMMIT below
+            if fresh:
+                os.chmod(path, 0o600)   # who trained what on which data is nobody else's business
+            else:   # never add our tables to another program's database
+                tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+                if tables and "sweeps" not in tables:
+                    raise sqlite3.DatabaseError("it holds no sweeps table: another program's file")
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute("PRAGMA synchronous=NORMAL")
+            con.executescript(SCHEMA)
+        con.execute("SELECT id, state FROM sweeps LIMIT 1").fetchall()
+    except sqlite3.Error as e:
+        raise unusable(path, e) from None
     con.row_factory = sqlite3.Row
     return con
 
@@ -127,7 +160,7 @@ class State:
             row = con.execute("SELECT state FROM sweeps WHERE id = ?", (sid,)).fetchone()
             if row is None or row[0] == to.value:
                 return
-            ended = now if to in (SweepState.DONE, SweepState.CANCELLED) else None
+            ended = now if to in (SweepState.DONE, SweepState.CANCELLED, SweepState.FAILED) else None
             con.execute("UPDATE sweeps SET state = ?, ended = ? WHERE id = ?", (to.value, ended, sid))
             con.execute("INSERT INTO events (time, sweep, trial, attempt, from_state, to_state,"
                         " reason) VALUES (?,?,?,?,?,?,?)", (now, sid, None, None, row[0], to.value, reason))

@@ -49,6 +49,7 @@ class SweepState(str, Enum):
     INTERRUPTED = "INTERRUPTED"  # the head restarted under it; `segctl resume` continues it
     DONE = "DONE"                # every trial terminal
     CANCELLED = "CANCELLED"
+    FAILED = "FAILED"            # the sweep itself could not go on (e.g. its model cannot be planned)
 
 
 # How an attempt ended, as the node agent reports it.
