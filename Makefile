@@ -9,7 +9,7 @@ DEMO    ?= demo
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 RUN     := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) PYTHONPATH=$(CURDIR)
 
-.PHONY: demo test install openblas clean
+.PHONY: demo test install openblas sshd clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP) openblas
+install: $(STAMP) openblas sshd
 
 # Best effort: only on Linux with apt and root; everything works without it, slower.
 openblas:
@@ -25,6 +25,15 @@ openblas:
 	    && [ "$$(id -u)" = 0 ]; then \
 	  (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
 	    || echo "note: could not install libopenblas0-pthread; MLX's CPU BLAS will be slower"; \
+	fi
+
+# The lab (`segctl lab up N`, tests/lab/) gives each host its own sshd: best effort
+# too; without it those tests skip and say why.
+sshd:
+	@if [ "$$(uname)" = Linux ] && [ ! -x /usr/sbin/sshd ] && command -v apt-get >/dev/null \
+	    && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-server openssh-client iproute2) >/dev/null 2>&1 \
+	    || echo "note: could not install openssh-server; the lab tests will skip"; \
 	fi
 
 # The demo sweep on the embedded default: Ray on this machine as a one-node fleet,

@@ -18,11 +18,13 @@ only that last message is the response).
 
 from __future__ import annotations
 
-import json
 import random
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from schemas.limits import MAX_ROW_BYTES, load_json, one_line
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,11 @@ class PreferenceExample:
 
 
 class DataError(ValueError):
-    """A data file or row we cannot train on; the message starts with file:line."""
+    """A data file or row we cannot train on; the message starts with file:line and
+    is one line (a row's keys are the user's: newlines in them are escaped)."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
 
 
 @dataclass
@@ -87,22 +93,33 @@ def load_dataset(path: str | Path, tokenizer, *, method: str = "sft", mask_promp
 
 
 def _rows(path: Path):
-    """(`file:line`, parsed JSON) for each non-blank line of a jsonl file."""
+    """(`file:line`, parsed JSON) for each non-blank line of a jsonl file. A line is
+    read up to MAX_ROW_BYTES and no further (a row past it is refused before it is
+    parsed or tokenised), and its JSON nested at most MAX_JSON_DEPTH deep."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise DataError(f"{path}: not a regular file")
+        f = open(path, "rb")
     except FileNotFoundError:
         raise DataError(f"{path}: data file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-        yield where, row
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    with f:
+        lineno = 0
+        while raw := f.readline(MAX_ROW_BYTES + 1):
+            lineno += 1
+            where = f"{path}:{lineno}"
+            if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+                raise DataError(f"{where}: row is longer than {MAX_ROW_BYTES} bytes")
+            if not raw.strip():
+                continue
+            try:
+                row = load_json(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            except ValueError as e:
+                raise DataError(f"{where}: not valid JSON ({e})") from None
+            yield where, row
 
 
 def encode_row(row, tokenizer, mask_prompt: bool, where: str) -> tuple[list[int], int]:

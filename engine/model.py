@@ -22,7 +22,6 @@ loss. `check_family` runs the same cut on a model built from config.json alone
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_lm.models.base import create_attention_mask
+
+from schemas.limits import read_model_config
 
 
 class ModelError(Exception):
@@ -67,14 +68,7 @@ def load_model(path: str | Path):
     folder = Path(path)
     if not folder.is_dir():
         raise ModelError(f"{folder}: model folder not found")
-    if not (folder / "config.json").is_file():
-        raise ModelError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{folder}/config.json: not valid JSON ({e})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ModelError(f"{folder}/config.json: no model_type")
+    config = _config(folder)
     if not list(folder.glob("model*.safetensors")):
         raise ModelError(f"{folder}: no model*.safetensors weights")
     try:
@@ -103,14 +97,7 @@ def check_family(path: str | Path) -> None:
     from mlx_lm.utils import _get_classes
 
     folder = Path(path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except OSError as e:
-        raise ModelError(f"{folder}/config.json: cannot read ({e.strerror or e})") from None
-    except ValueError as e:
-        raise ModelError(f"{folder}/config.json: not valid JSON ({e})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise ModelError(f"{folder}/config.json: no model_type")
+    config = _config(folder)
     try:
         model_class, args_class = _get_classes(config)
         model = model_class(args_class.from_dict(config))
@@ -118,6 +105,15 @@ def check_family(path: str | Path) -> None:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelError(f"{folder}: model type {config['model_type']}: {msg}") from None
     model_parts(model, name=str(folder), check=False, run_layers=False)
+
+
+def _config(folder: Path) -> dict:
+    """config.json, held to schemas/limits.py's bounds before mlx-lm builds anything
+    from it (a billion layers, a model_type that is a path)."""
+    try:
+        return read_model_config(folder)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
 
 
 def apply_lora(model: nn.Module, *, rank: int, scale: float, dropout: float,

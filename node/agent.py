@@ -18,17 +18,21 @@ import ray
 
 from schemas.records import AttemptResult, AttemptSpec, ProbeSpec
 
-from .attempt import Running, run_attempt
+from .attempt import Running, abandoned, run_attempt
 from .models import local_model
 from .probes import run_probes
+from .raynode import private_dir
 
 CALL_TIMEOUT_S = 120
 
 
 def work_root(name: str) -> Path:
-    base = os.environ.get("SEGCTL_WORK") or os.path.join(tempfile.gettempdir(),
-                                                         f"segctl-work-{os.getuid()}")
-    return Path(base) / name
+    """This node's work folder (attempts, probes; the model cache beside it), the
+    user's alone: in a shared /tmp a folder of this name made by someone else is
+    refused, not used."""
+    base = private_dir(os.environ.get("SEGCTL_WORK") or os.path.join(
+        tempfile.gettempdir(), f"segctl-work-{os.getuid()}"))
+    return private_dir(base / name)
 
 
 class NodeAgent:
@@ -37,6 +41,7 @@ class NodeAgent:
         self.head = head
         self.running: dict[int, Running] = {}
         self.lock = threading.Lock()
+        abandoned(work_root(name))   # no attempt of this node runs before its agent does
 
     def ping(self) -> dict:
         return {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),

@@ -4,6 +4,14 @@ bytes, and say how it ended.
 
 No Ray here: the agent (node/agent.py) passes in how to reach the head, so this
 runs the same under a test with plain callables.
+
+The attempt's folder (its data, the engine's checkpoints and adapter) is the
+user's alone (0700, the engine runs under umask 077) and does not outlive the
+attempt: once the result is in hand (the adapter's bytes are in it) a succeeded
+or cancelled attempt's folder is removed. One that failed (failed, oom, node
+lost) keeps its folder for debugging, with `outcome.json` saying how it ended,
+but only the newest KEEP_FAILED such folders of a node stay; folders an agent
+that died left behind count as failed ("abandoned") when the next agent starts.
 """
 
 from __future__ import annotations
@@ -22,8 +30,12 @@ from typing import Callable
 from schemas import events as ev
 from schemas.records import AttemptResult, AttemptSpec
 
+from .raynode import private_dir, private_file
+
 FLUSH_S = 0.5        # forward telemetry at least this often while events arrive
 FLUSH_ROWS = 500     # ... or when this many are waiting
+KEEP_FAILED = 3      # folders of attempts that did not succeed, kept per node for debugging
+OUTCOME_FILE = "outcome.json"   # in a kept folder: how its attempt ended
 
 
 class Running:
@@ -51,33 +63,39 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     """`model_dir` maps the job's model path to a folder on this machine (fetching
     it from the head when this machine does not have it)."""
     running = running or Running()
-    folder = work / f"attempt-{spec.attempt}"
+    folder = private_dir(work) / f"attempt-{spec.attempt}"
     shutil.rmtree(folder, ignore_errors=True)
-    (folder / "data").mkdir(parents=True)
+    private_dir(folder / "data")
     out = folder / "out"
 
     # Inputs arrive as bytes: no shared file system.
     job = json.loads(json.dumps(spec.job))
     for name, blob in spec.data.items():
-        (folder / "data" / name).write_bytes(blob)
+        private_file(folder / "data" / name, blob)
     job["data"]["train"] = str(folder / "data" / "train.jsonl")
     if job["data"].get("valid"):
         job["data"]["valid"] = str(folder / "data" / "valid.jsonl")
     job["output"] = str(out)
-    job["model"] = model_dir(job["model"])
+    try:
+        job["model"] = model_dir(job["model"])
+    except Exception as e:   # refused by the head, or the fetch broke: an outcome, not a crash
+        outcome = "failed" if isinstance(e, (ValueError, PermissionError)) else "node_lost"
+        return _ended(folder, AttemptResult(
+            attempt=spec.attempt, outcome=outcome, ended=time.time(),
+            message=f"model {job['model']}: {_last(str(e).splitlines()) or type(e).__name__}"))
     job.setdefault("telemetry", {})["phases"] = True   # per-phase peaks feed memory.zarr
     resume = spec.checkpoint_step is not None
     if resume:
-        ckpt = out / "checkpoints" / f"step-{spec.checkpoint_step:07d}"
-        ckpt.mkdir(parents=True)
+        ckpt = private_dir(out / "checkpoints" / f"step-{spec.checkpoint_step:07d}")
         for name, blob in spec.checkpoint.items():
-            (ckpt / name).write_bytes(blob)
-    (folder / "job.json").write_text(json.dumps(job))
+            private_file(ckpt / name, blob)
+    private_file(folder / "job.json", json.dumps(job).encode())
 
     started = start_worker([str(folder / "job.json")] + (["--resume"] if resume else []), folder,
                            running, python)
     if started is None:
-        return AttemptResult(attempt=spec.attempt, outcome="cancelled", message="cancelled")
+        return _ended(folder, AttemptResult(attempt=spec.attempt, outcome="cancelled",
+                                            message="cancelled"))
     proc, stderr, drain = started
     on_started(proc.pid, time.time())
 
@@ -141,9 +159,42 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     else:
         outcome = "failed"
         message = (err["message"] if err else _last(stderr)) or f"engine exited with {code}"
-    if outcome in ("succeeded", "cancelled"):
+    return _ended(folder, AttemptResult(outcome=outcome, message=message, **result))
+
+
+def _ended(folder: Path, result: AttemptResult) -> AttemptResult:
+    """The attempt's folder once its result is in hand: gone, or kept for debugging
+    with how it ended (the newest KEEP_FAILED of them)."""
+    if result.outcome in ("succeeded", "cancelled"):
         shutil.rmtree(folder, ignore_errors=True)
-    return AttemptResult(outcome=outcome, message=message, **result)
+    else:
+        _mark(folder, {"outcome": result.outcome, "message": result.message,
+                       "exit_code": result.exit_code, "ended": result.ended or time.time()})
+    prune_failed(folder.parent)
+    return result
+
+
+def abandoned(work: Path) -> None:
+    """When an agent starts: folders of attempts or probes that no live agent runs
+    (an agent that died left them, without a result) count as failed ones."""
+    if work.is_dir():
+        for folder in work.iterdir():
+            if folder.is_dir() and not (folder / OUTCOME_FILE).exists():
+                _mark(folder, {"outcome": "abandoned", "message": "the agent that ran it is gone",
+                               "ended": time.time()})
+        prune_failed(work)
+
+
+def prune_failed(work: Path, keep: int = KEEP_FAILED) -> None:
+    """Only the newest `keep` kept folders (those with an outcome.json) stay."""
+    kept = sorted(work.glob(f"*/{OUTCOME_FILE}"), key=lambda p: p.stat().st_mtime_ns)
+    for mark in kept[:max(len(kept) - keep, 0)]:
+        shutil.rmtree(mark.parent, ignore_errors=True)
+
+
+def _mark(folder: Path, outcome: dict) -> None:
+    if folder.is_dir():
+        private_file(folder / OUTCOME_FILE, (json.dumps(outcome, indent=2) + "\n").encode())
 
 
 def start_worker(args: list[str], cwd: Path, running: Running, python: str):
@@ -153,9 +204,10 @@ def start_worker(args: list[str], cwd: Path, running: Running, python: str):
     with running.lock:
         if running.cancelled:
             return None
+        # umask 077: what the engine writes (checkpoints, the adapter) is the user's alone
         proc = subprocess.Popen([python, "-m", "node.worker", *args], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                env=_worker_env())
+                                env=_worker_env(), umask=0o077)
         running.proc = proc
     stderr: list[str] = []
     drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(

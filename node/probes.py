@@ -16,6 +16,7 @@ from typing import Callable
 from schemas.records import ProbeSpec
 
 from .attempt import Running, _last, start_worker
+from .raynode import private_dir, private_file
 
 
 def run_probes(spec: ProbeSpec, work: Path, *, send: Callable[[dict], None],
@@ -23,13 +24,18 @@ def run_probes(spec: ProbeSpec, work: Path, *, send: Callable[[dict], None],
                running: Running | None = None, python: str = sys.executable) -> dict:
     """Returns {"measured": n, "error": message or ""}."""
     running = running or Running()
-    folder = work / f"probe-{id(spec)}"
+    folder = private_dir(work) / f"probe-{id(spec)}"
     shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    local = spec.model_copy(update={"model": model_dir(spec.model)})
-    (folder / "probe.json").write_text(local.model_dump_json())
+    try:
+        local = spec.model_copy(update={"model": model_dir(spec.model)})
+    except Exception as e:   # refused by the head, or the fetch broke: the tune's error
+        return {"measured": 0, "error": f"model {spec.model}: "
+                                        f"{_last(str(e).splitlines()) or type(e).__name__}"}
+    private_dir(folder)
+    private_file(folder / "probe.json", local.model_dump_json().encode())
     started = start_worker(["--probe", str(folder / "probe.json")], folder, running, python)
     if started is None:
+        shutil.rmtree(folder, ignore_errors=True)
         return {"measured": 0, "error": "cancelled"}
     proc, stderr, drain = started
     measured, error = 0, ""

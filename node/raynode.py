@@ -5,7 +5,12 @@ Why `--block` and pids, never `ray stop`: `ray stop` kills every Ray process of
 the user on the machine, other clusters included. A `ray start --block` process
 owns its node: SIGTERM to it drains and tears down that node's GCS/raylet/
 workers (all in its process group), so a fleet is stopped by the pids it
-recorded and nothing else.
+recorded and nothing else. Each pid is recorded with its process's start time
+(`start_time`): a pid the OS has since handed to another process is never
+signalled.
+
+Also the small file helpers every side uses for what it keeps on disk
+(`private_dir`, `private_file`: owner-only, whatever the umask).
 
 The naming contract the head actor relies on: a training node has the custom
 resource `segctl_node:<name>` = 1 and the labels segctl.name / segctl.chip /
@@ -19,6 +24,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -56,7 +62,8 @@ def start_head(*, port: int, stores: Path, node: dict | None, hw: Hardware, log_
                object_store_mb: int | None = None) -> dict:
     """Start the head here (token at <stores>/auth_token, made by the fleet). With
     `node` ({name, memory_gb, chip, labels}) the head also trains as that node.
-    Returns {"pid", "address"} once the GCS answers."""
+    Returns {"pid", "started", "address"} once the GCS answers ("started": the
+    process's start time, which `stop` checks before it signals the pid)."""
     token = Path(stores) / "auth_token"
     if not token.exists():
         raise RuntimeError(f"{token}: no cluster token (the fleet writes it before the head starts)")
@@ -67,19 +74,19 @@ def start_head(*, port: int, stores: Path, node: dict | None, hw: Hardware, log_
                              node.get("labels") or {})
     args = ["--head", "--port", str(port), "--include-dashboard=false"]
     env = ray_env(str(token), hw)
-    pid = _spawn(args, resources, labels, hw, env, Path(log_dir) / "head.log", object_store_mb)
+    proc = _spawn(args, resources, labels, hw, env, Path(log_dir) / "ray-head.log", object_store_mb)
     here = f"{hw.ip or '127.0.0.1'}:{port}"   # the address Ray was given, else loopback
-    found = _wait(pid, Path(log_dir) / "head.log",
+    found = _wait(proc, Path(log_dir) / "ray-head.log",
                   lambda ns: [n for n in ns if n["head"] and n["alive"]],
                   here, env, what=f"the head on port {port}")
-    return {"pid": pid, "address": f"{found[0]['ip']}:{port}"}
+    return {**proc, "address": f"{found[0]['ip']}:{port}"}
 
 
 def start_node(*, address: str, name: str, memory_gb: float, chip: str, labels: dict,
                hw: Hardware, token_path: str, log_dir: Path,
                object_store_mb: int | None = None) -> dict:
     """Join this machine to the head at `address` as segctl node `name`. Returns
-    {"pid", "name"} once the node is alive in the cluster's node table."""
+    {"pid", "started", "name"} once the node is alive in the cluster's node table."""
     if not Path(token_path).exists():
         raise RuntimeError(f"{token_path}: no cluster token")
     resource = NODE_RESOURCE + name
@@ -91,18 +98,19 @@ def start_node(*, address: str, name: str, memory_gb: float, chip: str, labels: 
     if any(n["alive"] and resource in n["resources"] for n in before):
         raise RuntimeError(f"a node named {name!r} is already in the cluster at {address}")
     log = Path(log_dir) / f"node-{name}.log"
-    pid = _spawn([f"--address={address}"], {resource: 1}, all_labels, hw, env, log,
-                 object_store_mb)
-    _wait(pid, log, lambda ns: [n for n in ns if n["alive"] and resource in n["resources"]],
+    proc = _spawn([f"--address={address}"], {resource: 1}, all_labels, hw, env, log,
+                  object_store_mb)
+    _wait(proc, log, lambda ns: [n for n in ns if n["alive"] and resource in n["resources"]],
           address, env, what=f"node {name}")
-    return {"pid": pid, "name": name}
+    return {**proc, "name": name}
 
 
-def stop(pid: int, timeout: float = 5) -> None:
+def stop(pid: int, started: str | None = None, timeout: float = 5) -> None:
     """Stop the `ray start --block` process `pid` and its node: SIGTERM (Ray drains
     and tears the node down), wait, then SIGKILL whatever of its process group is
-    left. A pid that is gone or is not a `ray start` is left alone."""
-    if not is_ray_start(pid):
+    left. Only if `pid` is still the process that was recorded (`is_ours`): a
+    pid that is gone or now belongs to another process is left alone."""
+    if not is_ours(pid, started):
         return
     try:
         os.kill(pid, signal.SIGTERM)
@@ -121,14 +129,34 @@ def stop(pid: int, timeout: float = 5) -> None:
         time.sleep(0.1)
 
 
-def is_ray_start(pid: int) -> bool:
-    """Is `pid` a live `ray start` process? Guards against a recorded pid that the
-    OS has since given to something else."""
+def is_ours(pid: int, started: str | None) -> bool:
+    """Is `pid` still the process recorded with start time `started`? The OS hands
+    a finished process's pid to the next one; the pair (pid, start time) names one
+    process. A record without a start time (written by an older segctl) falls back
+    to the command line: a `ray start ... --block` as segctl runs it."""
     if not alive(pid):
         return False
-    cmd = subprocess.run(["ps", "-o", "command=", "-p", str(pid)],
+    if started is not None:
+        return start_time(pid) == started
+    cmd = subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(pid)],   # -ww: never cut
                          capture_output=True, text=True).stdout
-    return "ray" in cmd and " start" in cmd
+    return "ray.scripts.scripts start" in cmd and "--block" in cmd
+
+
+def start_time(pid: int, *, platform: str = sys.platform, run=subprocess.run) -> str | None:
+    """When process `pid` started, as a string that is equal only for the same
+    process; None when there is no such process. Linux: field 22 of
+    /proc/PID/stat (clock ticks after boot); macOS: `ps -o lstart=` (to the
+    second). `platform` and `run` let a test hand in a Mac's `ps`."""
+    if platform.startswith("linux"):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return None
+        return fields[19]   # fields after "(comm)" start at field 3
+    out = run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True,
+              env={**os.environ, "LC_ALL": "C"})   # one date format, whatever the locale
+    return " ".join(out.stdout.split()) or None
 
 
 def gcs_nodes(address: str, env: dict, timeout: float = 5) -> list[dict] | None:
@@ -192,17 +220,24 @@ def start_command(args: list[str], resources: dict, labels: dict, hw: Hardware,
     return cmd
 
 
+LOG_BYTES = 1 << 20   # a `ray start` log past this moves aside when the node starts again
+
+
 def _spawn(args: list[str], resources: dict, labels: dict, hw: Hardware, env: dict,
-           log: Path, object_store_mb: int | None) -> int:
+           log: Path, object_store_mb: int | None) -> dict:
+    """Start `ray start --block`; {"pid", "started"} of the process."""
     cmd = start_command(args, resources, labels, hw, object_store_mb)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
+    private_dir(log.parent)
+    if log.exists() and log.stat().st_size > LOG_BYTES:   # one older run kept, never more
+        os.replace(log, log.with_name(log.name + ".1"))
+    with open(private_file(log), "ab") as out:
         # its own session: a Ctrl-C in the shell that ran segctl does not reach the
         # node, and its process group is exactly this node's processes
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env={**os.environ, **env},
                                 start_new_session=True)
-    return proc.pid
+    # read at once: our child cannot be reaped (and its pid reused) before we wait on it
+    return {"pid": proc.pid, "started": start_time(proc.pid)}
 
 
 def _free_port_args() -> list[str]:
@@ -218,18 +253,18 @@ def _free_port_args() -> list[str]:
             str(ports[1]), "--runtime-env-agent-port", str(ports[2])]
 
 
-def _wait(pid: int, log: Path, pick, address: str, env: dict, *, what: str,
+def _wait(proc: dict, log: Path, pick, address: str, env: dict, *, what: str,
           timeout: float = START_TIMEOUT_S) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
-        if not alive(pid):
+        if not alive(proc["pid"]):
             raise RuntimeError(f"{what} did not start: {_last_line(log.read_text(errors='replace'))}"
                                f" (log: {log})")
         found = pick(gcs_nodes(address, env, timeout=2) or [])
         if found:
             return found
         if time.monotonic() > deadline:
-            stop(pid)
+            stop(proc["pid"], proc["started"])
             raise TimeoutError(f"{what} did not come up within {timeout:.0f} s (log: {log})")
         time.sleep(0.5)
 
@@ -256,9 +291,9 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    stat = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
-                          text=True).stdout.strip()
-    return bool(stat) and not stat.startswith("Z")
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                           text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
 
 
 def _group(pgid: int) -> list[int]:
@@ -273,3 +308,56 @@ def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln or "error" in ln]
     return (errors or lines or ["(no output)"])[-1]
+
+
+# ------------------------------------------------------------------ private files
+
+def private_dir(path) -> Path:
+    """Folder `path`, made if missing (with any missing parents), readable by its
+    owner only (0700) whatever the umask; it must be a folder of this user (a
+    name in a shared /tmp may have been taken by someone else first). Parents
+    that were already there are left as they are."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass          # made by someone else meanwhile: checked below like any other
+        if p != path:
+            _own(p, stat.S_ISDIR, "folder")
+            os.chmod(p, 0o700)
+    _own(path, stat.S_ISDIR, "folder")
+    os.chmod(path, 0o700)
+    return path
+
+
+def private_file(path, data: bytes | None = None) -> Path:
+    """File `path` readable and writable by its owner only (0600) whatever the
+    umask: made empty if missing, written with `data` if given (in place; write
+    to a temp name and rename for atomicity). Its folder must exist."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{path}: not a file of this user (uid {st.st_uid})")
+        os.fchmod(fd, 0o600)
+        if data is not None:
+            os.ftruncate(fd, 0)
+            with os.fdopen(os.dup(fd), "wb") as f:
+                f.write(data)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _own(path: Path, kind, what: str) -> None:
+    st = os.stat(path)
+    if not kind(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path}: not a {what} of this user (uid {st.st_uid}); "
+                              "segctl keeps its files in folders only their owner can read")

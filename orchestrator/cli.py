@@ -17,6 +17,7 @@ import click
 
 from schemas import SpecError
 from schemas import events as ev
+from schemas.limits import MAX_TOKENS, one_line
 
 from schemas.job import DEMO_ARCHS, METHODS
 
@@ -24,11 +25,24 @@ from . import views
 
 
 def _fail(message: str, code: int = ev.EXIT_BAD_INPUT):
-    click.echo(f"segctl: {message}", err=True)
+    click.echo(one_line(f"segctl: {message}"), err=True)
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    def invoke(self, ctx):
+        import sqlite3
+
+        from orchestrator.state import OPENED, StateError, unusable
+        try:
+            return super().invoke(ctx)
+        except StateError as e:   # a corrupt or locked state.db, from whichever command
+            _fail(str(e))
+        except sqlite3.DatabaseError as e:   # ... found only at a later query
+            _fail(str(unusable(OPENED[-1] if OPENED else Path("state.db"), e)))
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="segctl")
 def main():
     """Fine-tune LLMs with LoRA under MLX, one segment of layers in memory at a time,
@@ -100,7 +114,7 @@ def _load(loader, path):
         return loader(path)
     except SpecError as e:
         for line in e.problems:
-            click.echo(line, err=True)
+            click.echo(one_line(line), err=True)
         sys.exit(ev.EXIT_BAD_INPUT)
 
 
@@ -122,12 +136,7 @@ def train(job_file: Path, resume: bool, as_json: bool):
     from engine import telemetry
     from engine.train import run_reported
 
-    try:
-        job = load_job(job_file)
-    except SpecError as e:
-        for line in e.problems:
-            click.echo(line, err=True)
-        sys.exit(ev.EXIT_BAD_INPUT)
+    job = _load(load_job, job_file)
     if job.output is None:
         _fail(f"{job_file}: output: required key is missing (segctl train writes the adapter there)")
     job = _resolve_auto(job, job_file)
@@ -146,16 +155,21 @@ def _resolve_auto(job, job_file):
     in $SEGCTL_HOME's stores when there are any."""
     if job.memory.segment_size != "auto":
         return job
+    from engine.data import DataError
     from node.probe import default_name, probe
     from orchestrator import measured, planner
     from orchestrator.fleet import stores_root
     from schemas.records import NodeInfo
+    try:
+        info = planner.model_info(job.model)
+        seq_len = planner.longest_row(job)
+    except (ValueError, DataError) as e:
+        _fail(f"{job_file}: {e}")
     hw = probe()
     budget = job.memory.budget_gb or hw.memory_gb
-    info = planner.model_info(job.model)
     here = NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb).node_class
     tuned = measured.models_of(measured.read_plan(stores_root(None), planner.model_key(info)))
-    plan = planner.plan(info, job, seq_len=planner.longest_row(job), budget_gb=budget,
+    plan = planner.plan(info, job, seq_len=seq_len, budget_gb=budget,
                         measured=tuned.get(planner.tune_key(job, here)))
     if not plan.fits:
         _fail(f"{job_file}: memory.segment_size: auto: {plan.reason}")
@@ -314,6 +328,8 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
         info = planner.model_info(model)
     except ValueError as e:
         _fail(str(e))
+    if lengths[-1] > MAX_TOKENS:   # a probe row that long would only exhaust the nodes
+        _fail(f"--seq-lens: {lengths[-1]} is more than {MAX_TOKENS} tokens")
     method = method or (job.method if job else "sft")
     tjob = tuning.tune_job(model, method, job)
     sizes = sorted({min(s, info.n_layers) for s in sizes})
@@ -378,9 +394,9 @@ def submit(sweep_file: Path, cluster_file, detach: bool, as_json: bool):
     trials to the end (Ctrl-C leaves the sweep running). Exit 0 when every
     trial succeeded, 1 otherwise.
     """
-    import ray
     spec = _cluster(cluster_file)
-    payload = _payload(sweep_file, spec)
+    payload = _payload(sweep_file, spec)   # every refusal comes before Ray is even imported
+    import ray
     head = _head(spec, start=True)
     sid = ray.get(head.submit.remote(payload))
     if detach:
@@ -675,6 +691,51 @@ def node_stop():
     """Stop the Ray processes `segctl node start` started on this machine."""
     from orchestrator import fleet
     click.echo(json.dumps(fleet.stop_here()))
+
+
+@main.group()
+def lab():
+    """A lab of N hosts on this Linux machine to try a fleet on (needs root): each
+    host is a network namespace with its own address in 198.18.0.0/15, its own
+    home and /tmp, and its own sshd. `segctl lab up 4`, then a cluster.yaml naming
+    h2..h4 as hosts, run from `ssh h1`; docs/fleet.md walks through it."""
+
+
+def _lab_root(f):
+    return click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=None,
+                        help="the lab's folder  [default: /var/lib/segctl-lab]")(f)
+
+
+@lab.command("up")
+@click.argument("n", type=click.IntRange(1, 200))
+@_lab_root
+@click.option("--json", "as_json", is_flag=True, help="the hosts as JSON")
+def lab_up(n: int, root, as_json: bool):
+    """Make N hosts h1..hN (198.18.0.11, .12, ...), each answering ssh."""
+    from orchestrator import lab as lablib
+    try:
+        made = lablib.up(n, root or lablib.LAB_ROOT)
+    except lablib.LabError as e:
+        _fail(str(e), ev.EXIT_INTERNAL)
+    if as_json:
+        click.echo(json.dumps([{"name": h.name, "address": h.address, "home": str(h.home),
+                                "sshd_pid": h.sshd_pid} for h in made.hosts], indent=2))
+        return
+    for h in made.hosts:
+        click.echo(f"{h.name}  {h.address}  home {h.home}  sshd pid {h.sshd_pid}")
+    click.echo(f"ssh -F {made.ssh_config} h1 CMD   (or PATH={made.root / 'bin'}:$PATH ssh h1 CMD)")
+
+
+@lab.command("down")
+@_lab_root
+def lab_down(root):
+    """Stop everything running in the lab's hosts; remove its namespaces and bridge."""
+    from orchestrator import lab as lablib
+    try:
+        lablib.down(root or lablib.LAB_ROOT)
+    except lablib.LabError as e:
+        _fail(str(e), ev.EXIT_INTERNAL)
+    click.echo("lab down")
 
 
 if __name__ == "__main__":

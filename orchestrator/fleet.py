@@ -10,6 +10,9 @@ machine is the head and the only node, with its real memory as the budget.
 Every Ray process and every driver runs with token authentication: the token
 lives in `<stores>/auth_token` (0600) on the head and reaches a remote node on
 ssh's stdin, never on a command line.
+
+Every pid recorded (fleet.json, here.json) comes with its process's start time,
+and only a pid whose process still has that start time is ever signalled.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def connect(spec, *, start: bool = True) -> dict:
 
     root = stores_root(spec)
     info = _read(root / FLEET_FILE)
-    running = info is not None and raynode.is_ray_start(info["head"]["pid"])
+    running = info is not None and _running(info["head"])
     if not running:
         if spec is None and start:
             info = up(None)
@@ -187,16 +190,17 @@ def start_here(*, head: bool, address: str | None, name: str, memory_gb: float, 
             token_path = (_write_token(root / "auth_token", token, replace=True) if token
                           else ensure_token(root))
             info = _read(root / FLEET_FILE)
-            if info and raynode.is_ray_start(info["head"]["pid"]):
+            if info and _running(info["head"]):
                 raise RuntimeError(f"a segctl head already runs here (pid {info['head']['pid']}, "
                                    f"{info['address']}); `segctl node stop` stops it")
             started = raynode.start_head(port=port, stores=root, node=node, hw=hw,
                                          log_dir=root / "logs")
             info = {"address": started["address"], "port": port, "token_path": str(token_path),
-                    "head": {"pid": started["pid"], "node": name}, "nodes": {}}
+                    "head": {"pid": started["pid"], "started": started["started"], "node": name},
+                    "nodes": {}}
             _write(root / FLEET_FILE, info)
-        entry = {"role": "head", "pid": started["pid"], "name": name,
-                 "address": started["address"], "stores": str(root)}
+        entry = {"role": "head", "pid": started["pid"], "started": started["started"],
+                 "name": name, "address": started["address"], "stores": str(root)}
     else:
         if not address or ":" not in address:
             raise ValueError(f"--join {address!r}: expected HOST:PORT of the head")
@@ -210,8 +214,9 @@ def start_here(*, head: bool, address: str | None, name: str, memory_gb: float, 
         started = raynode.start_node(address=address, name=name, memory_gb=memory_gb, chip=chip,
                                      labels=labels, hw=hw, token_path=str(token_path),
                                      log_dir=home / "logs")
-        entry = {"role": "node", "pid": started["pid"], "name": name, "address": address}
-    here = [e for e in _read(segctl_home() / HERE_FILE, []) if raynode.is_ray_start(e["pid"])]
+        entry = {"role": "node", "pid": started["pid"], "started": started["started"],
+                 "name": name, "address": address}
+    here = [e for e in _read(segctl_home() / HERE_FILE, []) if _running(e)]
     _write(segctl_home() / HERE_FILE, here + [entry])
     return entry
 
@@ -221,12 +226,13 @@ def stop_here() -> dict:
     path = segctl_home() / HERE_FILE
     stopped = []
     for e in _read(path, []):
-        raynode.stop(e["pid"])
+        raynode.stop(e["pid"], e.get("started"))
         stopped.append(e["name"])
         if e["role"] == "head":
             fleet = Path(e["stores"]) / FLEET_FILE
             info = _read(fleet)
-            if info and info["head"]["pid"] == e["pid"]:
+            if info and (info["head"]["pid"], info["head"].get("started")) == \
+                    (e["pid"], e.get("started")):
                 fleet.unlink(missing_ok=True)
     path.unlink(missing_ok=True)
     return {"stopped": stopped}
@@ -276,7 +282,8 @@ def _start_head(spec, root: Path, token: Path, hw: Hardware) -> dict:
     # advertises for the head (this machine's LAN address)
     return {"address": started["address"], "port": port, "token_path": str(token),
             "join": f"{named}:{port}" if named else started["address"],
-            "head": {"pid": started["pid"], "node": node and node["name"]}, "nodes": {}}
+            "head": {"pid": started["pid"], "started": started["started"],
+                     "node": node and node["name"]}, "nodes": {}}
 
 
 def _start_node(n, info: dict, root: Path, hw: Hardware, ssh) -> dict:
@@ -287,10 +294,12 @@ def _start_node(n, info: dict, root: Path, hw: Hardware, ssh) -> dict:
             chip=n.chip if n.chip != "unknown" else hw.chip, labels=n.labels or {}, hw=hw,
             token_path=str(token), log_dir=root / "logs",
             object_store_mb=raynode.LOCAL_OBJECT_STORE_MB)
-        return {"pid": started["pid"], "local": True, "host": None}
+        return {"pid": started["pid"], "started": started["started"], "local": True, "host": None}
     out = _ssh(ssh, ssh_start_command(n, info["join"]), stdin=token.read_text().strip())
     reply = json.loads(out.strip().splitlines()[-1])
-    return {"pid": reply["pid"], "local": False, "host": n.host or n.name}
+    # its pid and start time are the remote Mac's: `segctl node stop` there checks them
+    return {"pid": reply["pid"], "started": reply.get("started"), "local": False,
+            "host": n.host or n.name}
 
 
 def _stop_recorded(info: dict, ssh) -> dict:
@@ -300,7 +309,7 @@ def _stop_recorded(info: dict, ssh) -> dict:
 
     def stop_one(name, n):
         if n["local"]:
-            raynode.stop(n["pid"])
+            raynode.stop(n["pid"], n.get("started"))
         else:
             _ssh(ssh, ssh_stop_command(n["host"]))
 
@@ -311,7 +320,7 @@ def _stop_recorded(info: dict, ssh) -> dict:
                 fut.result()
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
                 failed[name] = _one_line(e)
-    raynode.stop(info["head"]["pid"])
+    raynode.stop(info["head"]["pid"], info["head"].get("started"))
     return failed
 
 
@@ -326,9 +335,13 @@ def _use_token(token_path: str) -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+def _running(record: dict) -> bool:
+    """Is the process of a fleet.json / here.json record still the one recorded?"""
+    return raynode.is_ours(record["pid"], record.get("started"))
+
+
 def _head_answers(info: dict, env: dict) -> bool:
-    return (raynode.is_ray_start(info["head"]["pid"])
-            and raynode.gcs_nodes(info["address"], env) is not None)
+    return _running(info["head"]) and raynode.gcs_nodes(info["address"], env) is not None
 
 
 def _head_is_here(address: str) -> str | None:
@@ -359,8 +372,8 @@ def _free_port() -> int:
 def _locked(root: Path):
     """One `up`/`down` at a time per stores root (two CLI calls racing to bring
     up the embedded fleet would start two heads)."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "fleet.lock", "w") as f:
+    raynode.private_dir(root)
+    with open(raynode.private_file(root / "fleet.lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -378,18 +391,16 @@ def _read(path: Path, default=None):
 
 
 def _write(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    raynode.private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    raynode.private_file(tmp, json.dumps(data, indent=2).encode())
     os.replace(tmp, path)
 
 
 def _write_token(path: Path, token: str, *, replace: bool) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    raynode.private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token.strip() + "\n")
+    raynode.private_file(tmp, (token.strip() + "\n").encode())
     if replace:
         os.replace(tmp, path)
         return path

@@ -31,6 +31,7 @@ from pathlib import Path
 import ray
 
 from node import models
+from node.raynode import private_dir
 from schemas.job import JobSpec
 from schemas.records import (AttemptResult, AttemptSpec, NodeInfo, ProbeSpec, SweepState,
                              TrialState)
@@ -83,9 +84,8 @@ class Controller:
         """payload: name, path, spec (the sweep file as a dict, plus `planner`),
         trials [{index, name, params, job, model_info, seq_len, inputs: {file: sha}}],
         blobs {sha: bytes} (the data files, shipped from the submitting machine)."""
-        inputs = self.root / "inputs"
-        inputs.mkdir(parents=True, exist_ok=True)
-        os.chmod(inputs, 0o700)   # copies of people's training data
+        _check_payload(payload)
+        inputs = private_dir(self.root / "inputs")   # copies of people's training data
         for sha, blob in payload["blobs"].items():
             if hashlib.sha256(blob).hexdigest() != sha:
                 raise ValueError(f"input {sha[:12]} arrived damaged")
@@ -613,6 +613,28 @@ class Controller:
                                        "the head restarted; `segctl resume` continues it")
 
 
+def _check_payload(payload: dict) -> None:
+    """What the CLI validated, checked again where it lands: a caller holding the
+    token but not using the CLI must not get a name, job or model the head cannot
+    file or plan into state.db. Raises ValueError with one line."""
+    import re
+
+    from schemas.limits import MAX_SWEEP_NAME_CHARS, NAME_PATTERN
+    name = payload.get("name")
+    if not isinstance(name, str) or len(name) > MAX_SWEEP_NAME_CHARS or not re.fullmatch(
+            NAME_PATTERN, name):
+        raise ValueError(f"sweep name {str(name)[:80]!r} is not a plain name of at most "
+                         f"{MAX_SWEEP_NAME_CHARS} characters")
+    for t in payload.get("trials", []):
+        try:
+            JobSpec.model_validate(t["job"])
+            planner.ModelInfo.from_dict(t["model_info"])
+            if not re.fullmatch(NAME_PATTERN, str(t["name"])) or len(f"{name}-{t['name']}") > 64:
+                raise ValueError(f"trial name {str(t['name'])[:80]!r} is not a plain name")
+        except Exception as e:
+            raise ValueError(f"trial {str(t.get('name'))[:80]!r}: {_one_line(e)}") from None
+
+
 def _one_line(e: BaseException, limit: int = 300) -> str:
     """An error as one short line; a remote task's error by its cause (Ray's own
     text carries the whole remote traceback)."""
@@ -664,8 +686,7 @@ def head_log(root: Path) -> logging.Logger:
     """The head's own log, ROOT/logs/head.log, rotated so it never grows without bound."""
     log = logging.getLogger(f"segctl.head.{root}")
     if not log.handlers:
-        folder = root / "logs"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = private_dir(root / "logs")
         handler = logging.handlers.RotatingFileHandler(folder / "head.log", maxBytes=LOG_BYTES,
                                                        backupCount=LOG_KEEP, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))

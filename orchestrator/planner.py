@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from schemas.job import JobSpec
+from schemas.limits import check_model_config, load_json, read_model_config
 from schemas.records import Plan
 
 GB = 1e9
@@ -82,7 +83,16 @@ class ModelInfo:
         missing = [n for n in names if n not in d]
         if missing:
             raise ValueError(f"model info lacks {', '.join(missing)}")
-        return cls(**{n: d[n] if n == "model_type" else int(d[n]) for n in names})
+        info = cls(**{n: d[n] if n == "model_type" else int(d[n]) for n in names})
+        # The head plans from this dict as it arrives: hold it to config.json's bounds.
+        check_model_config(dict(model_type=info.model_type, num_hidden_layers=info.n_layers,
+                                hidden_size=info.hidden, intermediate_size=info.intermediate,
+                                num_attention_heads=info.heads, num_key_value_heads=info.kv_heads,
+                                head_dim=info.head_dim, vocab_size=info.vocab), "model info")
+        if info.act_bytes not in (1, 2, 4) or info.weight_bytes < 0:
+            raise ValueError(f"model info: act_bytes {info.act_bytes} / weight_bytes "
+                             f"{info.weight_bytes} out of range")
+        return info
 
 
 def model_info(model_dir: str) -> ModelInfo:
@@ -92,14 +102,7 @@ def model_info(model_dir: str) -> ModelInfo:
     folder = Path(model_dir)
     if not folder.is_dir():
         raise ValueError(f"{folder}: model folder not found")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{folder}: no config.json (expected a Hugging Face model folder)") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{folder}/config.json: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{folder}/config.json: expected a JSON object")
+    config = read_model_config(folder)   # bounded: no billion layers reach the arithmetic below
     cfg = {**config, **config.get("text_config", {})} if isinstance(
         config.get("text_config"), dict) else config
     weights = sorted(folder.glob("*.safetensors"))
@@ -144,15 +147,19 @@ def _act_bytes(weights: list[Path], cfg: dict) -> int:
                 # a header longer than the file is not a header (and would be read whole)
                 if n > path.stat().st_size - 8 or n > 100 << 20:
                     raise ValueError("header length out of range")
-                header = json.loads(f.read(n))
+                header = load_json(f.read(n))
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
         except (OSError, ValueError, struct.error):
             raise ValueError(f"{path}: not a safetensors file") from None
         for name, t in header.items():
             if name != "__metadata__" and isinstance(t, dict) and t.get("dtype") in _DTYPE_BYTES:
+                shape = t.get("shape") or [1]
+                if not isinstance(shape, list) or not all(
+                        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                    raise ValueError(f"{path}: not a safetensors file ({name!r} has shape {shape!r})")
                 size = _DTYPE_BYTES[t["dtype"]]
-                by_dtype[size] = by_dtype.get(size, 0) + math.prod(t.get("shape") or [1]) * size
+                by_dtype[size] = by_dtype.get(size, 0) + math.prod(shape) * size
     if by_dtype:
         return min(4, max(by_dtype, key=by_dtype.get))
     return _CONFIG_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
@@ -168,8 +175,8 @@ def longest_row(job: JobSpec) -> int:
     folder = Path(job.model)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder}: not a model folder (no config.json)")
+    eos = read_model_config(folder).get("eos_token_id")
     try:
-        eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
         tokenizer = load_tokenizer(folder, eos_token_ids=eos)
     except Exception as e:  # a broken tokenizer is the user's folder, not our bug
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -9,13 +9,13 @@ in schemas/records.py and writes the events row in the same transaction.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from node.raynode import private_dir, private_file
 from schemas.records import MOVES, TERMINAL, SweepState, TrialState
 
 SCHEMA = """
@@ -81,13 +81,13 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
         if readonly:
             con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=LOCK_WAIT_S)
         else:
-            path.parent.mkdir(parents=True, exist_ok=True)
             fresh = not path.exists()
+            # Who trained what on which data is nobody else's business: 0700/0600,
+            # whatever the umask (SQLite gives -wal and -shm the file's mode).
+            private_file(private_dir(path.parent) / path.name)
             con = sqlite3.connect(path, timeout=LOCK_WAIT_S, check_same_thread=False,
                                   isolation_level=None)  # explicit BEGIN/COMMIT below
-            if fresh:
-                os.chmod(path, 0o600)   # who trained what on which data is nobody else's business
-            else:   # never add our tables to another program's database
+            if not fresh:   # never add our tables to another program's database
                 tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
                 if tables and "sweeps" not in tables:
                     raise sqlite3.DatabaseError("it holds no sweeps table: another program's file")

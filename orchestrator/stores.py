@@ -1,10 +1,12 @@
 """The central stores on the head: telemetry as it arrives, Parquet tables and
 per-phase memory once an attempt ends, adapters and checkpoints per trial.
 
-    staging.db       SQLite (WAL): every event of every attempt, as delivered,
-                     keyed by (attempt, seq) so a re-delivered batch adds nothing
+    staging.db       SQLite (WAL): the events of attempts still running, as
+                     delivered, keyed by (attempt, seq) so a re-delivered batch adds
+                     nothing; an attempt's rows go once it is sealed
     telemetry/       Parquet, hive-partitioned by sweep, one file per attempt:
-                     steps/, evals/, attempts/ (schemas/store_rows.py)
+                     steps/, evals/, attempts/ (schemas/store_rows.py), and events/:
+                     every event as delivered (what `segctl logs` reads once sealed)
     memory.zarr      <sweep>/<trial>/attempt-<id>: float32 [steps, phases] peaks
     adapters.zarr    <trial>/adapter: one array per LoRA tensor;
                      <trial>/checkpoints/step-NNNNNNN: one uint8 array per file
@@ -12,6 +14,11 @@ per-phase memory once an attempt ends, adapters and checkpoints per trial.
 The collector on the head is the only writer; `segctl status/logs/gather` read.
 Readers never see a half-written file: every Parquet file and zarr node is built
 under `.staging/` (same file system, listed by no reader) and renamed into place.
+Sealing writes an attempt's files first and then, in one transaction, marks it
+sealed and deletes its staging rows: a crash before that commit leaves the rows
+to seal again (same bytes), after it leaves the files; a sealed attempt is final
+(sealing again and late re-deliveries change nothing).
+Everything here is the owner's alone: folders 0700, files 0600, whatever the umask.
 Nothing here knows about Ray or the trial state machine (state.db is the head's).
 """
 
@@ -34,7 +41,8 @@ import pyarrow.parquet as pq
 import zarr
 from zarr.storage import LocalStore
 
-from node.raynode import alive
+# private_dir / private_file: also what the head uses for inputs/ and state.db
+from node.raynode import alive, private_dir, private_file
 from schemas import store_rows as sr
 
 SCHEMA = """
@@ -59,6 +67,11 @@ DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<f4",
 ITEMSIZE = {"BF16": 2}
 # zarr skips a chunk equal to the fill value, and -0.0 == 0.0: write them all, for bit-exactness.
 _EVERY_CHUNK = {"write_empty_chunks": True}
+# An attempt's events as delivered, kept when it is sealed: its staging rows go.
+EVENTS = "events"
+EVENTS_SCHEMA = pa.schema([("trial", pa.string()), ("attempt", pa.int64()), ("seq", pa.int64()),
+                           ("event", pa.string()), ("time", pa.float64()),
+                           ("body", pa.string())])   # the event's JSON, seq included
 
 
 class Stores:
@@ -81,13 +94,17 @@ class Stores:
                              f"integer 'seq' ({type(e).__name__}: {e})") from None
         with self._lock, _transaction(self._db(write=True)) as con:
             self._register(con, sweep, trial, attempt)
+            if _sealed(con, attempt):
+                return 0   # everything it sent is in its files; this is a late re-delivery
             new = con.executemany("INSERT OR IGNORE INTO events VALUES (?, ?, ?)", rows).rowcount
         return max(new, 0)
 
     def seal_attempt(self, sweep: str, trial: str, attempt: int, row: dict) -> None:
-        """The attempt ended: write its steps, evals and attempts Parquet files and its
-        memory array from what was ingested, then mark it sealed. Sealing again writes
-        the same bytes under the same names (an unchanged file is not touched)."""
+        """The attempt ended: write its steps, evals, attempts and events Parquet files
+        and its memory array from what was ingested, then mark it sealed and drop its
+        staging rows. Sealing a sealed attempt changes nothing; sealing one whose seal
+        was cut short writes the same bytes under the same names (an unchanged file is
+        not touched)."""
         unknown = set(row) - set(sr.ATTEMPTS.names)
         if unknown:
             raise ValueError(f"attempt {attempt}: attempts row: unknown column(s) {sorted(unknown)}")
@@ -95,21 +112,28 @@ class Stores:
             if row.get(key, want) != want:
                 raise ValueError(f"attempt {attempt}: attempts row: {key} is {row[key]!r}, not {want!r}")
         with self._lock:
-            with _transaction(self._db(write=True)) as con:
-                self._register(con, sweep, trial, attempt)
-            events = [json.loads(b) for (b,) in con.execute(
+            con = self._db(write=True)
+            if self._known.get(attempt) != (sweep, trial):
+                with _transaction(con):
+                    self._register(con, sweep, trial, attempt)
+            if _sealed(con, attempt):
+                return
+            bodies = [b for (b,) in con.execute(
                 "SELECT body FROM events WHERE attempt = ? ORDER BY seq", (attempt,))]
+            events = [json.loads(b) for b in bodies]
             tables = attempt_tables(trial, attempt, events)
             tables["attempts"] = pa.Table.from_pylist(
                 [{**row, "trial": trial, "attempt": attempt}], schema=sr.ATTEMPTS)
-            for name in ("steps", "evals", "attempts"):
+            tables[EVENTS] = events_table(trial, attempt, events, bodies)
+            for name in ("steps", "evals", "attempts", EVENTS):
                 self._put_parquet(tables[name], self.root / sr.telemetry_file(name, sweep, attempt))
             peaks, labels, steps = phase_peaks(events)
             self._put_memory(sweep, trial, attempt, peaks, labels, steps,
                              node=row.get("node"), segment_size=row.get("segment_size"))
-            with _transaction(con):
-                con.execute("UPDATE attempts SET sealed = COALESCE(sealed, CAST(strftime('%s', "
-                            "'now') AS REAL)) WHERE attempt = ?", (attempt,))
+            with _transaction(con):   # sealed and pruned together, or neither
+                con.execute("UPDATE attempts SET sealed = CAST(strftime('%s', 'now') AS REAL) "
+                            "WHERE attempt = ?", (attempt,))
+                con.execute("DELETE FROM events WHERE attempt = ?", (attempt,))
 
     def put_probe(self, model_key: str, row: dict) -> None:
         """One probe point of a tune into the plan table, as its own file: a tune
@@ -168,10 +192,21 @@ class Stores:
         return bool(row) and row[0][0] is not None
 
     def events(self, attempt: int, after_seq: int = -1) -> list[dict]:
-        """An attempt's events in seq order (each with its `seq`), after `after_seq`."""
-        return [json.loads(b) for (b,) in self._read(
+        """An attempt's events in seq order (each with its `seq`), after `after_seq`:
+        from staging while it runs, from its events file once sealed."""
+        bodies = [b for (b,) in self._read(
             "SELECT body FROM events WHERE attempt = ? AND seq > ? ORDER BY seq",
             (attempt, after_seq))]
+        # None here and sealed now: sealed (files in place) and pruned in one commit
+        # after our read, so the file has them all (no file: sealed by a segctl that
+        # kept the rows, which the read above had)
+        sealed = not bodies and self._read(
+            "SELECT sweep FROM attempts WHERE attempt = ? AND sealed IS NOT NULL", (attempt,))
+        path = sealed and self.root / sr.telemetry_file(EVENTS, sealed[0][0], attempt)
+        if path and path.exists():
+            bodies = pq.read_table(path, columns=["body"],
+                                   filters=[("seq", ">", after_seq)])["body"].to_pylist()
+        return [json.loads(b) for b in bodies]
 
     def latest_checkpoint(self, trial: str) -> tuple[int, dict[str, bytes]] | None:
         """(step, file name -> bytes) of the trial's newest checkpoint, or None."""
@@ -210,23 +245,29 @@ class Stores:
 
     def _db(self, write: bool) -> sqlite3.Connection | None:
         """The staging.db connection. A reader opens it only if it exists and never
-        creates it; the writer sets it up (WAL, tables) and clears temp left by a
-        head that crashed."""
+        creates it; the writer sets it up (private, WAL, tables), clears temp left by
+        a head that crashed and prunes what an older segctl left of sealed attempts."""
         with self._lock:
             path = self.root / sr.STAGING_DB
             if self._con is None:
                 if not write and not path.exists():
                     return None
                 if write:
-                    self.root.mkdir(parents=True, exist_ok=True)
+                    private_dir(self.root)
+                    private_file(path)    # SQLite makes -wal and -shm with its mode
                 self._con = sqlite3.connect(path, timeout=30, isolation_level=None,
                                             check_same_thread=False)
             if write and not self._writer:
+                for p in (path, path.with_name(path.name + "-wal"),
+                          path.with_name(path.name + "-shm")):
+                    if p.exists():
+                        private_file(p)
                 self._con.execute("PRAGMA journal_mode=WAL")
                 self._con.execute("PRAGMA synchronous=NORMAL")
                 self._con.executescript(SCHEMA)
                 self._clear_temp()
                 self._writer = True
+                self._prune_sealed()
             return self._con
 
     def _read(self, sql: str, args: tuple) -> list[tuple]:
@@ -255,6 +296,22 @@ class Stores:
             raise ValueError(f"attempt {attempt} belongs to {have[0]}/{have[1]}, not {sweep}/{trial}")
         self._known[attempt] = have
 
+    def _prune_sealed(self) -> None:
+        """Sealed attempts whose staging rows are still there (sealed by a segctl that
+        kept them): their events file first, then the rows go."""
+        con = self._con
+        for attempt, sweep, trial in con.execute(
+                "SELECT attempt, sweep, trial FROM attempts a WHERE sealed IS NOT NULL AND "
+                "EXISTS (SELECT 1 FROM events e WHERE e.attempt = a.attempt)").fetchall():
+            bodies = [b for (b,) in con.execute(
+                "SELECT body FROM events WHERE attempt = ? ORDER BY seq", (attempt,))]
+            path = self.root / sr.telemetry_file(EVENTS, sweep, attempt)
+            if not path.exists():
+                self._put_parquet(events_table(trial, attempt, list(map(json.loads, bodies)),
+                                               bodies), path)
+            with _transaction(con):
+                con.execute("DELETE FROM events WHERE attempt = ?", (attempt,))
+
     def _adapter_group(self, trial: str):
         if not self.has_adapter(trial):
             raise KeyError(f"trial {trial}: no adapter in the stores")
@@ -265,8 +322,7 @@ class Stores:
 
     def _temp(self, kind: str) -> Path:
         """A fresh temp path under .staging/ (named by pid: a later writer clears it)."""
-        base = self.root / sr.TEMP
-        base.mkdir(parents=True, exist_ok=True)
+        base = private_dir(self.root / sr.TEMP)
         return base / f"{os.getpid()}-{next(_counter)}-{kind}"
 
     def _clear_temp(self) -> None:
@@ -282,11 +338,11 @@ class Stores:
         """Write a Parquet file; an identical file already there is left untouched."""
         tmp = self._temp("parquet")
         try:
-            with open(tmp, "wb") as f:
+            with open(private_file(tmp), "wb") as f:
                 pq.write_table(table, f)
                 f.flush()
                 os.fsync(f.fileno())
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
             if path.exists() and filecmp.cmp(tmp, path, shallow=False):
                 tmp.unlink()
             else:
@@ -309,7 +365,7 @@ class Stores:
         tmp = self._temp("node")
         try:
             write(tmp)
-            _fsync_tree(tmp)
+            _settle_tree(tmp)
             if target.exists():
                 if _same_tree(tmp, target):
                     return
@@ -329,7 +385,7 @@ class Stores:
         tmp = self._temp("group")
         try:
             zarr.open_group(store=LocalStore(tmp), mode="w")
-            _fsync_tree(tmp)
+            _settle_tree(tmp)
             os.rename(tmp, path)
         except OSError:
             if not (path / "zarr.json").is_file():
@@ -342,6 +398,11 @@ class Stores:
         aside = self._temp("old")
         os.rename(path, aside)
         _rmtree(aside)
+
+
+def _sealed(con: sqlite3.Connection, attempt: int) -> bool:
+    row = con.execute("SELECT sealed FROM attempts WHERE attempt = ?", (attempt,)).fetchone()
+    return row is not None and row[0] is not None
 
 
 @contextmanager
@@ -369,6 +430,15 @@ def attempt_tables(trial: str, attempt: int, events: list[dict]) -> dict[str, pa
                 cols[field.name] = [e.get(field.name) for e in rows]
         out[name] = pa.table(cols, schema=schema)
     return out
+
+
+def events_table(trial: str, attempt: int, events: list[dict], bodies: list[str]) -> pa.Table:
+    """The events file of one attempt: each event as delivered (`bodies`, seq order),
+    with the columns a reader filters on."""
+    return pa.table({"trial": [trial] * len(events), "attempt": [attempt] * len(events),
+                     "seq": [e["seq"] for e in events], "event": [e.get("event") for e in events],
+                     "time": [e.get("time") for e in events], "body": bodies},
+                    schema=EVENTS_SCHEMA)
 
 
 def phase_peaks(events: list[dict]) -> tuple[np.ndarray, list[str], list[int]]:
@@ -504,10 +574,15 @@ def _same_tree(a: Path, b: Path) -> bool:
     return fa == fb and all(filecmp.cmp(a / p, b / p, shallow=False) for p in fa)
 
 
-def _fsync_tree(root: Path) -> None:
+def _settle_tree(root: Path) -> None:
+    """A node built in temp, before it is renamed into place: owner-only modes
+    (zarr creates with the umask's), every file on disk."""
     for dirpath, _, names in os.walk(root):
+        os.chmod(dirpath, 0o700)
         for n in names:
-            with open(os.path.join(dirpath, n), "rb") as f:
+            path = os.path.join(dirpath, n)
+            os.chmod(path, 0o600)
+            with open(path, "rb") as f:
                 os.fsync(f.fileno())
 
 

@@ -11,7 +11,9 @@ from typing import Annotated, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import SpecError
-from .yamlspec import line_of, load_yaml, problem
+from .limits import (HOST_PATTERN, LABEL_KEY_PATTERN, LABEL_PATTERN, MAX_HOST_CHARS, MAX_LABEL_CHARS,
+                     MAX_MEMORY_GB, MAX_PORT, NODE_NAME_PATTERN, check_path, one_line)
+from .yamlspec import line_of, load_yaml, not_a_mapping, problem
 
 # Node labels become Ray node labels; these come from the node itself (NodeInfo.matches).
 RESERVED_LABELS = ("chip", "name", "os")
@@ -19,23 +21,44 @@ RESERVED_LABELS = ("chip", "name", "os")
 
 class Strict(BaseModel):
     # `labels: {rack: 2}` means the label "2"
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 def _label_key(key: str) -> str:
-    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", key):
+    if not re.fullmatch(LABEL_KEY_PATTERN, key):
         raise ValueError(f"label key '{key}': use lowercase letters, digits, '.', '_', '-' "
                          "(starting with a letter or digit)")
     if key in RESERVED_LABELS:
         raise ValueError(f"label key '{key}' is reserved ({', '.join(RESERVED_LABELS)} come from the node)")
-    return key
+    return _label(key)
+
+
+def _label(value: str) -> str:
+    """A value that becomes a Ray node label (node name, chip, label key or value)."""
+    if len(value) > MAX_LABEL_CHARS or not re.fullmatch(LABEL_PATTERN, value):
+        raise ValueError(f"'{value[:80]}' is not a Ray label: at most {MAX_LABEL_CHARS} letters, "
+                         "digits, '.', '_', '-', starting and ending with a letter or digit")
+    return value
+
+
+def _host(value: str) -> str:
+    """An ssh target or address: handed to ssh and Ray, so never an option (-o...)."""
+    if len(value) > MAX_HOST_CHARS or not re.fullmatch(HOST_PATTERN, value):
+        raise ValueError(f"'{value[:80]}' is not a host: at most {MAX_HOST_CHARS} letters, digits "
+                         "and '_.@:%+-[]', starting with a letter, digit, '_' or '['")
+    return value
+
+
+Label = Annotated[str, AfterValidator(_label)]
+Host = Annotated[str, AfterValidator(_host)]
 
 
 class HeadSpec(Strict):
-    address: str = Field("auto", description="the head's address nodes join; auto = this machine's")
-    port: int = Field(6379, ge=1, le=65535, description="Ray GCS port")
-    stores: str = Field("~/.segctl", description="stores root on the head (state.db, telemetry/, "
-                                                 "memory.zarr, adapters.zarr)")
+    address: Host = Field("auto", description="the head's address nodes join; auto = this machine's")
+    port: int = Field(6379, ge=1, le=MAX_PORT, description="Ray GCS port")
+    stores: Annotated[str, AfterValidator(check_path)] = Field(
+        "~/.segctl", description="stores root on the head (state.db, telemetry/, memory.zarr, "
+                                 "adapters.zarr)")
 
 
 class PlannerSpec(Strict):
@@ -44,13 +67,13 @@ class PlannerSpec(Strict):
 
 
 class NodeSpec(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="unique in the cluster")
-    host: Optional[str] = Field(None, description="ssh target (user@host allowed); "
-                                                  "required unless local")
+    name: Label = Field(pattern=NODE_NAME_PATTERN, description="unique in the cluster")
+    host: Optional[Host] = Field(None, description="ssh target (user@host allowed); "
+                                                   "required unless local")
     local: bool = Field(False, description="run as a real Ray node process on this machine")
-    chip: str = Field("unknown", description="e.g. m2-ultra")
-    memory_gb: float = Field(gt=0, description="training budget on the node")
-    labels: dict[Annotated[str, AfterValidator(_label_key)], str] = Field(
+    chip: Label = Field("unknown", description="e.g. m2-ultra")
+    memory_gb: float = Field(gt=0, le=MAX_MEMORY_GB, description="training budget on the node")
+    labels: dict[Annotated[str, AfterValidator(_label_key)], Label] = Field(
         {}, description="extra node labels a sweep's placement can ask for")
 
 
@@ -66,8 +89,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     path = Path(path)
     data, root = load_yaml(path)
     if not isinstance(data, dict):
-        raise SpecError([f"{path}:1: expected a mapping of keys, got "
-                         f"{type(data).__name__ if data is not None else 'an empty file'}"])
+        raise SpecError([not_a_mapping(path, data)])
     problems = []
     try:
         spec = ClusterSpec.model_validate(data)
@@ -77,7 +99,8 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     problems += _cross_checks(path, data, root)
     if problems:
         # in file order, whichever check found them
-        raise SpecError(sorted(problems, key=lambda p: int(p.removeprefix(f"{path}:").split(":")[0])))
+        in_order = sorted(problems, key=lambda p: int(p.removeprefix(f"{path}:").split(":")[0]))
+        raise SpecError([one_line(p) for p in in_order])
     stores = Path(os.path.expanduser(spec.head.stores))
     stores = (path.resolve().parent / stores).resolve()
     return spec.model_copy(update={"head": spec.head.model_copy(update={"stores": str(stores)})})

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 
+from .limits import (MAX_HIDDEN, MAX_LAYERS, MAX_MEMORY_GB, MAX_NAME_CHARS, MAX_SEED, MAX_STEPS,
+                     MAX_TOKENS, NAME_PATTERN, check_path)
 from .yamlspec import load_yaml, validate
 
 Method = Literal["sft", "orpo", "dpo"]
@@ -18,40 +20,49 @@ DEMO_ARCHS = ("llama", "qwen3", "minicpm", "gemma", "gemma2", "gemma3_text", "ge
               "gpt_oss", "olmo3", "granite", "cohere")
 
 
+# A path a spec names: bounded in length, no control characters.
+PathStr = Annotated[str, AfterValidator(check_path)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataSpec(Strict):
-    train: str = Field(description="jsonl of training rows (text | prompt+completion | messages)")
-    valid: Optional[str] = Field(None, description="jsonl of validation rows")
+    train: PathStr = Field(description="jsonl of training rows (text | prompt+completion | messages)")
+    valid: Optional[PathStr] = Field(None, description="jsonl of validation rows")
     mask_prompt: bool = Field(True, description="loss on the response only (else on every token)")
-    max_seq_length: int = Field(2048, ge=2, description="tokens per row at most")
+    max_seq_length: int = Field(2048, ge=2, le=MAX_TOKENS, description="tokens per row at most")
     overlong: Literal["truncate", "skip"] = Field(
         "truncate", description="what happens to a longer row; counted in telemetry either way")
 
 
 class LoraSpec(Strict):
-    rank: int = Field(8, ge=1)
+    rank: int = Field(8, ge=1, le=MAX_HIDDEN)
     scale: float = Field(20.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    num_layers: int = Field(-1, description="last N decoder layers get LoRA; -1 = all")
+    num_layers: int = Field(-1, ge=-1, le=MAX_LAYERS,
+                            description="last N decoder layers get LoRA; -1 = all")
     keys: Optional[list[str]] = Field(None, description="module paths in a layer, e.g. self_attn.q_proj; "
                                                         "default every linear")
 
 
 class TrainSpec(Strict):
-    iters: Optional[int] = Field(None, ge=1, description="optimizer steps (one row each)")
-    epochs: Optional[int] = Field(None, ge=1, description="passes over the data instead of iters")
+    iters: Optional[int] = Field(None, ge=1, le=MAX_STEPS, description="optimizer steps (one row each)")
+    epochs: Optional[int] = Field(None, ge=1, le=MAX_STEPS,
+                                  description="passes over the data instead of iters")
     learning_rate: float = Field(1e-4, gt=0)
     schedule: Literal["constant", "cosine"] = "constant"
-    warmup: int = Field(0, ge=0, description="linear warmup steps")
+    warmup: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup steps")
     weight_decay: float = Field(0.01, ge=0)
     grad_clip: Optional[float] = Field(1.0, gt=0, description="global-norm clip; null = off")
-    seed: int = 0
-    eval_every: int = Field(0, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
-    val_batches: int = Field(25, description="validation rows per evaluation; -1 = all")
-    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = never")
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS,
+                            description="validate every N steps (and at the end); 0 = only at the end")
+    val_batches: int = Field(25, ge=-1, le=MAX_STEPS,
+                             description="validation rows per evaluation; -1 = all")
+    checkpoint_every: int = Field(0, ge=0, le=MAX_STEPS,
+                                  description="checkpoint every N steps; 0 = never")
 
     @model_validator(mode="after")
     def _one_length(self):
@@ -67,14 +78,19 @@ class MemorySpec(Strict):
         1, description="layers per segment; 0 = plain autodiff; auto = the largest that the "
                        "memory planner predicts fits the budget")
     grad_checkpoint: bool = Field(False, description="with segment_size 0: per-layer recompute")
-    head_chunk: int = Field(512, ge=1, description="token positions per loss-head chunk")
-    attn_block: int = Field(2048, ge=0, description="segmented: on rows longer than this, attention "
-                                                    "backward in blocks of this many query rows; 0 = off")
-    budget_gb: Optional[float] = Field(None, gt=0, description="stop with an oom error past this peak")
+    head_chunk: int = Field(512, ge=1, le=MAX_TOKENS,
+                            description="token positions per loss-head chunk")
+    attn_block: int = Field(2048, ge=0, le=MAX_TOKENS,
+                            description="segmented: on rows longer than this, attention backward "
+                                        "in blocks of this many query rows; 0 = off")
+    budget_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB,
+                                       description="stop with an oom error past this peak")
 
     @field_validator("segment_size", mode="before")
     @classmethod
     def _segment_size(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_LAYERS:
+            raise ValueError(f"{v} is more than {MAX_LAYERS} layers")
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             return v
         raise ValueError(f"expected a whole number >= 0 or 'auto', got {v!r}")
@@ -108,13 +124,14 @@ class DpoSpec(Strict):
 
 
 class JobSpec(Strict):
-    name: str = "job"
+    name: str = Field("job", pattern=NAME_PATTERN, max_length=MAX_NAME_CHARS,
+                      description="letters, digits, '.', '_', '-'")
     method: Method = Field(
         "sft", description="sft: rows of text / prompt+completion / messages; orpo, dpo: "
                            "prompt+chosen+rejected")
-    model: str = Field(description="local Hugging Face model folder")
-    output: Optional[str] = Field(None, description="folder the adapter lands in (segctl train "
-                                                    "needs it; a sweep's trials land in the stores)")
+    model: PathStr = Field(description="local Hugging Face model folder")
+    output: Optional[PathStr] = Field(None, description="folder the adapter lands in (segctl train "
+                                                        "needs it; a sweep's trials land in the stores)")
     data: DataSpec
     lora: LoraSpec = LoraSpec()
     train: TrainSpec

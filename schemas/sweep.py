@@ -21,11 +21,11 @@ from typing import Annotated, Any, NamedTuple, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import SpecError
-from .job import JobSpec, Strict
-from .yamlspec import did_you_mean, line_of, load_yaml, node_at, problem
+from .job import JobSpec, PathStr, Strict
+from .limits import (MAX_PRIORITY, MAX_RETRIES, MAX_SWEEP_NAME_CHARS, MAX_TRIALS, NAME_PATTERN,
+                     one_line, path_problem)
+from .yamlspec import did_you_mean, line_of, load_yaml, node_at, not_a_mapping, problem
 
-MAX_TRIALS = 10_000
-NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 DISTRIBUTIONS = ("log_uniform", "uniform", "choice")
 # Job keys holding paths: resolved against the folder of the file that wrote them.
 PATH_KEYS = ("model", "data.train", "data.valid")
@@ -49,6 +49,8 @@ class Distribution(Strict):
         (kind,) = v
         if kind not in DISTRIBUTIONS:
             raise ValueError(f"unknown distribution '{kind}'" + did_you_mean(str(kind), list(DISTRIBUTIONS)))
+        if v[kind] is None:   # else every field is None and draw() has nothing to draw from
+            raise ValueError(f"{kind}: needs a value")
         return v
 
     @model_validator(mode="after")
@@ -72,23 +74,27 @@ class Distribution(Strict):
 
 class RandomSpec(Strict):
     seed: int = Field(0, description="draws are the same for the same seed")
-    samples: int = Field(ge=1, description="draws; each is combined with every grid point")
+    samples: int = Field(ge=1, le=MAX_TRIALS, description="draws; each is combined with every grid point")
     params: dict[str, Distribution] = Field(min_length=1, description="dotted job key -> distribution")
 
 
 class SweepSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
-    name: str = Field(pattern=NAME, description="sweep name; trial names are derived from it")
-    base: Optional[str] = Field(None, description="job file, relative to this sweep file")
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_SWEEP_NAME_CHARS,
+                      description="sweep name; trial names are derived from it")
+    base: Optional[PathStr] = Field(None, description="job file, relative to this sweep file")
     job: Optional[dict[str, Any]] = Field(None, description="the job inline, instead of base")
     grid: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(
         {}, description="dotted job key -> values; the full cross product")
     random: Optional[RandomSpec] = None
-    concurrency: Optional[int] = Field(None, ge=1, description="trials running at once at most; null = no cap")
-    retries: int = Field(3, ge=0, description="extra attempts per trial after oom or a lost node")
+    concurrency: Optional[int] = Field(None, ge=1, le=MAX_TRIALS,
+                                       description="trials running at once at most; null = no cap")
+    retries: int = Field(3, ge=0, le=MAX_RETRIES,
+                         description="extra attempts per trial after oom or a lost node")
     placement: dict[str, str] = Field({}, description="node labels a trial needs (all must match)")
-    priority: int = Field(0, description="higher is scheduled first (across sweeps)")
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+                          description="higher is scheduled first (across sweeps)")
 
 
 class TrialSpec(BaseModel):
@@ -158,30 +164,33 @@ def single_job_sweep(path: str | Path) -> Sweep:
     data, _ = load_yaml(path)
     name = data.get("name") if isinstance(data, dict) else None
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", str(name or path.stem)).lstrip("-_.") or "job"
+    name = name[:MAX_SWEEP_NAME_CHARS]
     return _validate(path, {"name": name, "base": path.name}, None)
 
 
 def _validate(path: Path, data, root) -> Sweep:
     if not isinstance(data, dict):
-        raise SpecError([f"{path}:1: expected a mapping of keys, got "
-                         f"{type(data).__name__ if data is not None else 'an empty file'}"])
+        raise SpecError([not_a_mapping(path, data)])
     problems = _Problems()
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as e:
         problems.extend(problem(path, SweepSpec, root, err) for err in e.errors())
         spec = _salvage(data, e.errors())
-    base = _base_job(spec, path, root, problems) if spec else None
+    given = {k for k, v in data.items() if v is not None}
+    base = _base_job(spec, path, root, problems, given) if spec else None
     if spec is None or base is None:
         raise SpecError(problems.in_order(path))
 
+    # counted from the axes, before any trial is built (32^6 would not fit in memory)
+    count = math.prod(len(v) for v in spec.grid.values()) * (spec.random.samples if spec.random else 1)
+    if count > MAX_TRIALS:
+        where = "grid" if spec.grid else "random"
+        problems.add(f"{path}:{line_of(root, [where])}: {where}: {count} trials is more than "
+                     f"{MAX_TRIALS}; split the sweep")
+        raise SpecError(problems.in_order(path, base.path))
     points = _grid_points(spec, path, root, problems)
     draws = _random_draws(spec, path, root, problems)
-    count = len(points) * len(draws)
-    if count > MAX_TRIALS:
-        problems.add(f"{path}:{line_of(root, ['grid'] if spec.grid else ['random'])}: "
-                     f"grid: {count} trials is more than {MAX_TRIALS}; split the sweep")
-        raise SpecError(problems.in_order(path, base.path))
 
     trials, cross = [], []
     for index, (point, draw) in enumerate(itertools.product(points, draws)):
@@ -190,7 +199,7 @@ def _validate(path: Path, data, root) -> Sweep:
         trial = _trial(spec, base, index, name, varied, path.parent, problems, cross)
         if trial is not None:
             trials.append(trial)
-    _report_cross(cross, count, base, problems)
+    _report_cross(cross, len(points) * len(draws), base, problems)
     if problems.lines:
         raise SpecError(problems.in_order(path, base.path))
     return Sweep(spec=spec, path=str(path.resolve()), trials=trials)
@@ -213,7 +222,7 @@ class _Problems:
                 if line.startswith(f"{p}:"):
                     return i, int(line[len(f"{p}:"):].split(":")[0])
             return len(paths), 0
-        return sorted(self.lines, key=where)
+        return [one_line(line) for line in sorted(self.lines, key=where)]
 
     def add(self, line: str, dedupe=None) -> None:
         key = dedupe if dedupe is not None else line
@@ -250,18 +259,19 @@ def _salvage(data: dict, errors: list[dict]) -> SweepSpec | None:
     return None
 
 
-def _base_job(spec: SweepSpec, path: Path, root, problems: _Problems) -> Base | None:
+def _base_job(spec: SweepSpec, path: Path, root, problems: _Problems, given: set) -> Base | None:
     if spec.base is not None and spec.job is not None:
         problems.add(f"{path}:{line_of(root, ['job'])}: job: give either base or job, not both")
         return None
     if spec.job is not None:
         return Base(spec.job, path, node_at(root, ["job"]), "job.", path.resolve().parent)
     if spec.base is None:
-        problems.add(f"{path}:1: base: required key is missing (or give the job inline as job:)")
+        if not given & {"base", "job"}:   # else its own problem is reported already
+            problems.add(f"{path}:1: base: required key is missing (or give the job inline as job:)")
         return None
     file = Path(os.path.normpath(path.parent / spec.base))
-    if not file.is_file():
-        problems.add(f"{path}:{line_of(root, ['base'])}: base: file not found: {file.resolve()}")
+    if message := _missing("base", str(file.resolve())):
+        problems.add(f"{path}:{line_of(root, ['base'])}: base: {message}")
         return None
     try:
         data, node = load_yaml(file)
@@ -269,8 +279,7 @@ def _base_job(spec: SweepSpec, path: Path, root, problems: _Problems) -> Base | 
         problems.extend(e.problems)
         return None
     if not isinstance(data, dict):
-        problems.add(f"{file}:1: expected a mapping of keys, got "
-                     f"{type(data).__name__ if data is not None else 'an empty file'}")
+        problems.add(not_a_mapping(file, data))
         return None
     return Base(data, file, node, "", file.resolve().parent)
 
@@ -413,13 +422,18 @@ def _get_dotted(d: dict, key: str):
 
 def _missing(key: str, value: str) -> str:
     p = Path(value)
-    if key == "model":
-        if not p.is_dir():
-            return f"model folder not found: {p}"
-        if not (p / "config.json").is_file():
-            return f"no config.json in {p} (expected a Hugging Face model folder)"
-        return ""
-    return "" if p.is_file() else f"file not found: {p}"
+    if problem := path_problem(value):
+        return problem
+    try:
+        if key == "model":
+            if not p.is_dir():
+                return f"model folder not found: {p}"
+            if not (p / "config.json").is_file():
+                return f"no config.json in {p} (expected a Hugging Face model folder)"
+            return ""
+        return "" if p.is_file() else f"file not found: {p}"
+    except OSError as e:  # a name the file system refuses
+        return f"cannot use {p}: {e.strerror or e}"
 
 
 def _as_trained(value, job: JobSpec, key: str):

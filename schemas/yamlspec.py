@@ -15,46 +15,100 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import SpecError
+from .limits import MAX_SPEC_BYTES, MAX_YAML_DEPTH, one_line, read_bounded
 
 M = TypeVar("M", bound=BaseModel)
 
 
+# libyaml when PyYAML has it (the pure-Python parser takes seconds on a 1 MB file)
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def load_yaml(path: str | Path) -> tuple[Any, yaml.Node | None]:
+    """(data, node tree) of a spec file, within the bounds of schemas/limits.py:
+    at most MAX_SPEC_BYTES, MAX_YAML_DEPTH levels deep, no aliases. Raises
+    SpecError with one line."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError([f"{path}: file not found"]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError([f"{path}: cannot read ({e})"]) from None
+        return _load_yaml(path)
+    except _Refused as e:
+        raise SpecError([one_line(str(e))]) from None
+
+
+class _Refused(Exception):
+    pass
+
+
+def _load_yaml(path: Path):
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        text = read_bounded(path, MAX_SPEC_BYTES).decode("utf-8")
+    except FileNotFoundError:
+        raise _Refused(f"{path}: file not found") from None
+    except UnicodeDecodeError as e:
+        raise _Refused(f"{path}: cannot read (not UTF-8: {e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise _Refused(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # a device, a pipe, too large
+        raise _Refused(f"{path}: {e}") from None
+    try:
+        _check_events(path, text)
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
+        if isinstance(e, yaml.reader.ReaderError):   # a character YAML does not allow
+            line = f":{text.count(chr(10), 0, e.position) + 1}"
         reason = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError([f"{path}{line}: invalid YAML: {reason}"]) from None
+        raise _Refused(f"{path}{line}: invalid YAML: {reason}") from None
+    except (ValueError, OverflowError) as e:  # a scalar its tag cannot hold: 2001-13-45, 1e5000 digits
+        raise _Refused(f"{path}: invalid YAML: {str(e).split(';')[0]}") from None
     return data, node
+
+
+def _check_events(path: Path, text: str) -> None:
+    """Refuse aliases and nesting past MAX_YAML_DEPTH from the parser's events,
+    before anything is built from them (the composer recurses per level)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(f"{path}:{event.start_mark.line + 1}: YAML alias *{event.anchor}: "
+                           "aliases are not allowed in segctl files (write the value out)")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise _Refused(f"{path}:{event.start_mark.line + 1}: nested deeper than "
+                               f"{MAX_YAML_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def validate(model: type[M], path: str | Path, data: Any, node: yaml.Node | None) -> M:
     path = Path(path)
     if not isinstance(data, dict):
-        raise SpecError([f"{path}:1: expected a mapping of keys, got "
-                         f"{type(data).__name__ if data is not None else 'an empty file'}"])
+        raise SpecError([not_a_mapping(path, data)])
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise SpecError([_problem(path, model, node, err) for err in e.errors()]) from None
+        raise SpecError([one_line(_problem(path, model, node, err)) for err in e.errors()]) from None
+
+
+def not_a_mapping(path, data) -> str:
+    """The problem line for a spec file whose top level is not a mapping."""
+    return one_line(f"{path}:1: expected a mapping of keys, got "
+                    f"{type(data).__name__ if data is not None else 'an empty file'}")
 
 
 def _problem(path: Path, model: type[BaseModel], node, err: dict, prefix: str = "") -> str:
-    loc = [p for p in err["loc"] if not _is_union_tag(p)]
+    loc = _user_loc(node, err["loc"])
     key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "(top)"
     line = _line_of(node, loc)
     msg = err["msg"]
-    if err["type"] == "extra_forbidden":
+    if err["type"] == "extra_forbidden" and loc:
         choices = _fields_at(model, loc[:-1])
         msg = "unknown key" + did_you_mean(str(loc[-1]), choices)
     elif err["type"] == "missing":
@@ -65,8 +119,21 @@ def _problem(path: Path, model: type[BaseModel], node, err: dict, prefix: str = 
     return f"{path}:{line}: {key}: {msg}"
 
 
+def _user_loc(node, loc) -> list:
+    """The parts of a pydantic error location the user wrote. Pydantic adds the
+    chosen union member's type ('int', "literal['auto']") and '[key]' to it: such a
+    part is dropped unless the YAML has a key of that name there ('a[b]: 1')."""
+    out = []
+    for part in loc:
+        child = _child(node, part)
+        if child is None and _is_union_tag(part):
+            continue
+        out.append(part)
+        node = child
+    return out
+
+
 def _is_union_tag(p) -> bool:
-    # pydantic adds the chosen union member's type name ('int', 'literal[...]') to loc
     return isinstance(p, str) and (p in ("int", "float", "str", "bool", "none") or "[" in p)
 
 
@@ -86,13 +153,17 @@ def did_you_mean(word: str, choices: list[str]) -> str:
 def node_at(node, loc) -> yaml.Node | None:
     """The YAML node at a key path (mapping keys, sequence indexes), or None."""
     for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            node = next((v for k, v in node.value if k.value == str(part)), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-        else:
-            return None
+        node = _child(node, part)
     return node
+
+
+def _child(node, part) -> yaml.Node | None:
+    """The node under a mapping key or at a sequence index, or None."""
+    if isinstance(node, yaml.MappingNode):
+        return next((v for k, v in node.value if k.value == str(part)), None)
+    if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+        return node.value[part]
+    return None
 
 
 def line_of(node, loc) -> int:

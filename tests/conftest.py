@@ -46,6 +46,13 @@ def assert_one_line_error(proc, *fragments, code=2):
     return err
 
 
+def free_earlier_arrays() -> None:
+    """A peak measured in this process counts every live array: free what earlier
+    tests left in reference cycles (models and their closures) before measuring."""
+    import gc
+    gc.collect()
+
+
 def probe_fresh(spec, tmp: Path) -> list[dict]:
     """Probe events for `spec` (a ProbeSpec) measured the way a node measures them:
     in a fresh `node.worker --probe` process, so the peaks hold this model alone

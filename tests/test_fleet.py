@@ -71,12 +71,12 @@ def test_probe_macos():
 
 def test_ssh_start_command_carries_the_node():
     node = NodeSpec(name="mac9", host="lab@mac9.local", chip="m2-ultra", memory_gb=96,
-                    labels={"rack": "b 2"})
+                    labels={"rack": "b2"})
     cmd = fleet.ssh_start_command(node, "10.0.0.2:6379")
     assert cmd[:1] == ["ssh"] and "BatchMode=yes" in cmd and cmd[-2] == "lab@mac9.local"
     assert shlex.split(cmd[-1]) == [
         "segctl", "node", "start", "--join", "10.0.0.2:6379", "--name", "mac9",
-        "--memory-gb", "96", "--token-stdin", "--chip", "m2-ultra", "--label", "rack=b 2"]
+        "--memory-gb", "96", "--token-stdin", "--chip", "m2-ultra", "--label", "rack=b2"]
     # the chip of a node the file does not describe is left to that Mac's probe
     plain = fleet.ssh_start_command(NodeSpec(name="air", host="air", memory_gb=16), "h:1")
     assert "--chip" not in shlex.split(plain[-1])

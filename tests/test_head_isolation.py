@@ -160,7 +160,10 @@ def test_an_unplannable_sweep_fails_alone_and_the_others_are_placed(tmp_path, pa
     bad = small(payload, "bad", priority=10)   # first in line
     for t in bad["trials"]:
         t["model_info"] = {"n_layers": "a billion"}   # what no planner can use
-    sid_bad = c.submit(bad)
+    with pytest.raises(ValueError, match="model info lacks"):
+        c.submit(bad)   # a caller that skipped the CLI's checks is refused at the door ...
+    # ... and a sweep already in state.db (from an older head) fails at placement, alone
+    sid_bad = c.state.add_sweep(bad["name"], bad["path"], bad["spec"], bad["trials"])
     sid_good = c.submit(small(payload, "good"))
     world.turns(c)
     assert sweep_state(c, sid_bad) == "FAILED"
@@ -169,6 +172,22 @@ def test_an_unplannable_sweep_fails_alone_and_the_others_are_placed(tmp_path, pa
     assert "placing it" in msg and "\n" not in msg
     assert set(trials(c, sid_good).values()) == {"PLACED"}, trials(c, sid_good)
     assert "placing it" in (tmp_path / "logs" / "head.log").read_text()
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("n_layers", 10**9, "num_hidden_layers: 1000000000 is more than 1024"),
+    ("model_type", "../../x", "not a plain name"),
+    ("vocab", -1, "vocab_size: expected a whole number >= 1"),
+])
+def test_submit_refuses_model_facts_out_of_bounds_in_one_line(tmp_path, payload, field, value,
+                                                              fragment):
+    c = World().controller(tmp_path)
+    bad = small(payload, "bad", n=1)
+    bad["trials"][0]["model_info"][field] = value
+    with pytest.raises(ValueError, match=fragment.replace(".", r"\.")) as e:
+        c.submit(bad)
+    assert "\n" not in str(e.value)
+    assert not c.state.q("SELECT * FROM sweeps") and not (tmp_path / "inputs").exists()
 
 
 def test_an_agent_error_ends_that_attempt_frees_its_node_and_keeps_the_other_result(

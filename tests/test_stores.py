@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -60,6 +61,16 @@ def visible_files(root: Path) -> dict[str, bytes]:
     """Every file a reader could list (everything but .staging/ and SQLite's own)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and sr.TEMP not in p.parts and not p.name.startswith(sr.STAGING_DB)}
+
+
+def staging_rows(root: Path, attempt: int | None = None) -> int:
+    """Rows left in staging.db, read straight from SQLite."""
+    con = sqlite3.connect(root / sr.STAGING_DB)
+    try:
+        where, args = (" WHERE attempt = ?", (attempt,)) if attempt is not None else ("", ())
+        return con.execute("SELECT COUNT(*) FROM events" + where, args).fetchone()[0]
+    finally:
+        con.close()
 
 
 def assert_no_temp(root: Path) -> None:
@@ -199,7 +210,8 @@ Stores(Path(sys.argv[1])).seal_attempt("sw-1", "sw-1-t000", 1, {"attempt_no": 1,
 def test_a_crash_during_seal_leaves_nothing_half_written(tmp_path):
     root = tmp_path / "stores"
     st = Stores(root)
-    st.ingest("sw-1", "sw-1-t000", 1, run_events(1, 20_000, evals=(10_000,)))
+    events = run_events(1, 20_000, evals=(10_000,))
+    st.ingest("sw-1", "sw-1-t000", 1, events)
     for delay in (0.2, 0.8, 1.6):
         proc = subprocess.Popen([sys.executable, "-c", SEAL_SCRIPT, str(root)], env=cli_env(),
                                 stdout=subprocess.PIPE, text=True)
@@ -216,6 +228,8 @@ def test_a_crash_during_seal_leaves_nothing_half_written(tmp_path):
         if mem.exists():
             assert zarr.open_array(mem, mode="r")[...].shape == (20_000, len(PHASES))
         assert not Stores(root).is_sealed(1) or mem.exists()
+        # sealed and pruned together: rows all there, or none and the attempt sealed
+        assert staging_rows(root, 1) == (0 if Stores(root).is_sealed(1) else len(events))
 
     # what a writer killed in the middle of building leaves under .staging/
     dead = subprocess.Popen(["true"])
@@ -229,6 +243,94 @@ def test_a_crash_during_seal_leaves_nothing_half_written(tmp_path):
     assert st2.is_sealed(1)
     steps = pads.dataset(root / "telemetry/steps", partitioning="hive").to_table()
     assert steps.num_rows == 20_000
+    assert staging_rows(root) == 0 and st2.events(1) == events
+    assert_no_temp(root)
+
+
+def test_sealing_prunes_staging_and_keeps_every_event(tmp_path):
+    root = tmp_path / "stores"
+    st = Stores(root)
+    done, running = run_events(1, 30, evals=(10, 20)), run_events(1, 5)
+    st.ingest("sw-1", "sw-1-t000", 1, done[:40])
+    st.ingest("sw-1", "sw-1-t000", 1, done[40:])
+    st.ingest("sw-1", "sw-1-t001", 2, running)
+    st.seal_attempt("sw-1", "sw-1-t000", 1, attempt_row(1, steps=30))
+    assert staging_rows(root, 1) == 0 and staging_rows(root, 2) == len(running)
+    reader = Stores(root)
+    assert st.events(1) == done == reader.events(1), "`segctl logs` reads them from the file"
+    assert reader.events(1, after_seq=50) == done[51:] and reader.events(2) == running
+    logged = pads.dataset(root / "telemetry/events", partitioning="hive").to_table()
+    assert sorted(logged["seq"].to_pylist()) == list(range(len(done)))
+    assert logged.filter(pads.field("event") == "eval").num_rows == 2
+
+    # sealed is final: a late re-delivery adds nothing, sealing again touches nothing
+    before = visible_files(root)
+    mtimes = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()
+              and not p.name.startswith(sr.STAGING_DB)}
+    assert st.ingest("sw-1", "sw-1-t000", 1, done[:10]) == 0
+    assert Stores(root).ingest("sw-1", "sw-1-t000", 1, done[-3:]) == 0
+    st.seal_attempt("sw-1", "sw-1-t000", 1, attempt_row(1, steps=30))
+    Stores(root).seal_attempt("sw-1", "sw-1-t000", 1, attempt_row(1, steps=30))
+    assert staging_rows(root, 1) == 0 and visible_files(root) == before
+    assert mtimes == {p: p.stat().st_mtime_ns for p in mtimes}
+    assert pads.dataset(root / "telemetry/steps", partitioning="hive").to_table().num_rows == 30
+
+    # a staging.db from a segctl that kept sealed attempts' rows: the next writer
+    # puts their events in a file, then drops them
+    con = sqlite3.connect(root / sr.STAGING_DB)
+    con.executemany("INSERT INTO events VALUES (?, ?, ?)",
+                    [(1, e["seq"], json.dumps(e)) for e in done])
+    con.commit()
+    con.close()
+    (root / sr.telemetry_file("events", "sw-1", 1)).unlink()
+    assert Stores(root).events(1) == done
+    Stores(root).ingest("sw-1", "sw-1-t001", 2, running[-1:])    # a writer starts
+    assert staging_rows(root, 1) == 0 and Stores(root).events(1) == done
+    assert staging_rows(root, 2) == len(running)
+    assert_no_temp(root)
+
+
+SEAL_HELD = """
+import sys
+from pathlib import Path
+from orchestrator.stores import Stores
+st = Stores(Path(sys.argv[1]))
+st.ingest("sw-1", "sw-1-t000", 1, [])      # set up, the attempt known: no lock needed till the end
+print("ready", flush=True)
+sys.stdin.readline()
+st.seal_attempt("sw-1", "sw-1-t000", 1, {"attempt_no": 1, "steps": 300})
+"""
+
+
+def test_a_crash_between_the_files_and_the_prune_loses_and_doubles_nothing(tmp_path):
+    root = tmp_path / "stores"
+    events = run_events(1, 300, evals=(150,))
+    Stores(root).ingest("sw-1", "sw-1-t000", 1, events)
+    proc = subprocess.Popen([sys.executable, "-c", SEAL_HELD, str(root)], env=cli_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    lock = sqlite3.connect(root / sr.STAGING_DB, isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")      # the seal's final transaction waits behind this
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    mem = root / sr.memory_array("sw-1", "sw-1-t000", 1)   # its last file
+    deadline = time.monotonic() + 60
+    while not (mem / "zarr.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.kill()                          # files in place, not sealed, rows not pruned
+    proc.wait()
+    lock.execute("ROLLBACK")
+    lock.close()
+    assert not Stores(root).is_sealed(1) and staging_rows(root, 1) == len(events)
+    assert Stores(root).events(1) == events
+
+    st = Stores(root)                    # the restarted head seals it again
+    st.seal_attempt("sw-1", "sw-1-t000", 1, {"attempt_no": 1, "steps": 300})
+    assert st.is_sealed(1) and staging_rows(root) == 0 and st.events(1) == events
+    steps = pads.dataset(root / "telemetry/steps", partitioning="hive").to_table()
+    assert sorted(steps["step"].to_pylist()) == list(range(1, 301)), "each step once"
+    assert zarr.open_array(mem, mode="r").shape == (300, len(PHASES))
     assert_no_temp(root)
 
 

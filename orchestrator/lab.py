@@ -1,0 +1,615 @@
+"""A lab in a box: N hosts on this Linux machine, so the fleet can be tested
+across real addresses, real private disks and real ssh.
+
+Layout (ROOT defaults to /var/lib/segctl-lab):
+
+    bridge  segbr0             198.18.0.1/15 in the root namespace (the driver)
+    host i  netns seglab-h{i}  eth0 198.18.0.{10+i}/15, lo up, veth seglab{i} on the bridge,
+                               hostname h{i} (its own UTS namespace)
+    ROOT/h{i}/home             the host's $HOME (/root inside it): ~/.segctl, ~/.ssh
+    ROOT/h{i}/tmp              the host's /tmp; /run and /dev/shm are private tmpfs
+    ROOT/h{i}/etc              its sshd_config, host key, pid file and logs
+    ROOT/ssh_config            `ssh -F ROOT/ssh_config h1 CMD`; ROOT/bin/ssh wraps it
+    ROOT/id_ed25519            the driver's key, in every host's authorized_keys
+    ROOT/lab.json              what `up` made: `down` works from it alone
+
+Only 198.18.0.0/15 (RFC 2544's benchmarking range) is used: no host has a
+route anywhere else, so no traffic of the lab leaves this machine.
+
+Each host is one long-lived sshd started as
+`ip netns exec NS unshare --mount --uts --propagation private sh -c 'mounts; exec sshd -D'`:
+every ssh session (and `nsenter -t SSHD_PID -m -n -u`, see `inside`) then runs
+in both the host's network and its filesystem view. The code (the repo and its
+venv) is shared, as installed software is; when the venv's Python lives under
+the driver's $HOME (pyenv in /root/.pyenv) that folder is bound read-only into
+each host's home, or nothing would run there.
+
+`up` on a machine where a lab is up refuses in one line (a lab is global: the
+bridge, the namespace names and the addresses are the machine's); a lab whose
+namespaces and sshds are all gone (a reboot) is cleared first. `up` starts
+every host from an empty home; `down` leaves the folders for post-mortems
+(logs of sshd and of whatever ran in /tmp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import ipaddress
+import json
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from node.raynode import alive, is_ours, start_time
+
+LAB_ROOT = Path("/var/lib/segctl-lab")
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv"
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+SSHD = Path("/usr/sbin/sshd")
+ROOT_HOME = Path(pwd.getpwuid(0).pw_dir)   # what each host's own home is bound over
+BRIDGE = "segbr0"
+NETWORK = ipaddress.ip_network("198.18.0.0/15")
+BRIDGE_ADDRESS = "198.18.0.1"
+FIRST_HOST = 10            # host i is 198.18.0.{FIRST_HOST + i}
+MAX_HOSTS = 200
+STATE = "lab.json"
+NETNS_DIR = Path("/run/netns")
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+START_TIMEOUT_S = 15
+STOP_TIMEOUT_S = 5
+TOOLS = ("ip", "unshare", "nsenter", "setsid", "ssh", "ssh-keygen", "mount")
+
+
+class LabError(RuntimeError):
+    """A lab could not be made or unmade; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str            # "h1": its hostname, its ssh alias, a natural node name
+    address: str         # "198.18.0.11"
+    netns: str           # "seglab-h1"
+    veth: str            # "seglab1": its cable's end on the bridge (root namespace)
+    home: Path           # on this machine's disk; /root inside the host
+    sshd_pid: int | None
+    sshd_started: str | None   # the sshd's start time: a reused pid is never signalled
+
+
+@dataclass(frozen=True)
+class Lab:
+    root: Path
+    hosts: list[Host]
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.root / "ssh_config"
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(f"no host {name!r} in the lab at {self.root}")
+
+
+# ------------------------------------------------------------------ probe
+
+def why_not() -> str | None:
+    """Why a lab cannot be made here (one line), or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"a lab needs Linux namespaces; this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "a lab needs root (network namespaces, bridges and mounts)"
+    missing = [t for t in TOOLS if not shutil.which(t)]
+    if missing:
+        return (f"a lab needs {', '.join(missing)} on the PATH "
+                "(iproute2, util-linux, openssh-client)")
+    if not os.access(SSHD, os.X_OK):
+        return f"a lab needs an OpenSSH server at {SSHD} (apt-get install openssh-server)"
+    if not (VENV / "bin" / "segctl").exists():
+        return f"a lab runs segctl from {VENV}; make install first"
+    # root in a container may still lack CAP_SYS_ADMIN / CAP_NET_ADMIN: try both
+    # namespaces for real (they vanish with the `true` that holds them)
+    probe = subprocess.run(["unshare", "--net", "--mount", "--uts", "true"],
+                           capture_output=True, text=True, env=_unthreaded_env())
+    if probe.returncode != 0:
+        return f"cannot make namespaces here: {_last_line(probe.stderr)}"
+    return None
+
+
+# ------------------------------------------------------------------ up / down
+
+def up(n: int, root: Path | str = LAB_ROOT) -> Lab:
+    """Make a lab of `n` hosts and return it once every host's sshd answers."""
+    if not 1 <= n <= MAX_HOSTS:
+        raise LabError(f"a lab has 1 to {MAX_HOSTS} hosts, not {n}")
+    reason = why_not()
+    if reason:
+        raise LabError(reason)
+    root = Path(root).resolve()
+    with _locked(root):
+        _refuse_if_up(root)
+        hosts = [_plan(root, i) for i in range(1, n + 1)]
+        # recorded before anything is made, so a `down` after a crash mid-way
+        # (or this function's own rollback) knows every name it may have to remove
+        state = {"n": n, "bridge": BRIDGE, "made_netns_dir": not _is_mount(NETNS_DIR),
+                 "hosts": [_host_record(h) for h in hosts]}
+        _write_state(root, state)
+        try:
+            _write_files(root, hosts)
+            _make_network(hosts)
+            for h in hosts:
+                _start_sshd(root, h)
+            hosts = [_wait_sshd(root, h) for h in hosts]   # booting side by side
+        except BaseException as e:
+            why = str(e) if isinstance(e, LabError) else f"lab up failed: {_one_line(e)}"
+            try:
+                _down(root)   # KeyboardInterrupt too: a half-made lab is never left behind
+            except LabError as left:
+                why += f"; and rolling back: {left}"
+            raise LabError(why) from None
+        state["hosts"] = [_host_record(h) for h in hosts]
+        _write_state(root, state)
+    return Lab(root=root, hosts=hosts)
+
+
+def down(root: Path | str = LAB_ROOT) -> None:
+    """Stop every process of the lab recorded at `root` and remove its namespaces,
+    links and bridge. Idempotent; needs only ROOT/lab.json, not the process that
+    made the lab. Raises LabError (one line) naming whatever is still there."""
+    root = Path(root).resolve()
+    if not (root / STATE).exists():
+        return
+    with _locked(root):
+        _down(root)
+
+
+def load(root: Path | str = LAB_ROOT) -> Lab | None:
+    """The lab recorded at `root` (made by this or another process), or None."""
+    root = Path(root).resolve()
+    state = _read_state(root)
+    if state is None:
+        return None
+    return Lab(root=root, hosts=[_host_from(h) for h in state["hosts"]])
+
+
+# ------------------------------------------------------------------ running things in a host
+
+def host_env() -> dict:
+    """The environment of a session in a host: segctl (the repo's venv) on the
+    PATH, the repo importable, and OpenBLAS preloaded where it exists (MLX's
+    own CPU BLAS is several times slower)."""
+    env = {"PATH": f"{VENV / 'bin'}:{SYSTEM_PATH}", "PYTHONPATH": str(REPO)}
+    if OPENBLAS.exists():
+        env["LD_PRELOAD"] = str(OPENBLAS)
+    return env
+
+
+def ssh_argv(lab: Lab, host: Host | str, command: str) -> list[str]:
+    """`ssh` to `host` with the lab's client config; `command` is a shell line."""
+    name = host if isinstance(host, str) else host.name
+    return ["ssh", "-F", str(lab.ssh_config), name, command]
+
+
+def inside(host: Host, argv: list[str], env: dict | None = None) -> list[str]:
+    """`argv` run in `host` without ssh: its network, filesystem and hostname
+    (entered through its sshd), from its home, with a session's environment
+    (the caller's own is not carried in) plus `env`."""
+    if host.sshd_pid is None:
+        raise LabError(f"host {host.name} has no sshd recorded")
+    full = {"HOME": "/root", "USER": "root", "LOGNAME": "root", **host_env(), **(env or {})}
+    # nsenter itself must not load OpenBLAS: its threads make entering a mount
+    # namespace fail (EINVAL); the command inside gets it back from host_env
+    return ["env", "-u", "LD_PRELOAD", "nsenter", "-t", str(host.sshd_pid), "-m", "-n", "-u",
+            "--wd=/root", "--",
+            "env", "-i", *(f"{k}={v}" for k, v in full.items()), *argv]
+
+
+def pids(host: Host) -> list[int]:
+    """Live processes in `host`'s network namespace (zombies have none)."""
+    try:
+        ns = os.stat(NETNS_DIR / host.netns)
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry.name}/ns/net")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if (st.st_ino, st.st_dev) == (ns.st_ino, ns.st_dev):
+            out.append(int(entry.name))
+    return out
+
+
+# ------------------------------------------------------------------ internals: up
+
+def _plan(root: Path, i: int) -> Host:
+    return Host(name=f"h{i}", address=str(NETWORK.network_address + FIRST_HOST + i),
+                netns=f"seglab-h{i}", veth=f"seglab{i}", home=root / f"h{i}" / "home",
+                sshd_pid=None, sshd_started=None)
+
+
+def _refuse_if_up(root: Path) -> None:
+    """One lab per machine: refuse when one is up (here or at another root); clear
+    the record of one whose namespaces and sshds are all gone."""
+    state = _read_state(root)
+    if state is not None:
+        hosts = [_host_from(h) for h in state["hosts"]]
+        if any(_lives(h) for h in hosts) or _link_exists(state["bridge"]):
+            raise LabError(f"a lab of {len(hosts)} hosts is already up at {root} "
+                           f"({hosts[0].address}..{hosts[-1].address}); take it down first")
+        _down(root)   # leftovers of a lab whose machine rebooted: nothing to stop
+    if _link_exists(BRIDGE):
+        raise LabError(f"bridge {BRIDGE} already exists: another lab is up on this machine "
+                       f"(not recorded at {root})")
+    taken = sorted(p.name for p in NETNS_DIR.glob("seglab-h*")) if NETNS_DIR.is_dir() else []
+    if taken:
+        raise LabError(f"network namespace {taken[0]} already exists: another lab is up on "
+                       f"this machine (not recorded at {root})")
+
+
+def _write_files(root: Path, hosts: list[Host]) -> None:
+    """Fresh folders for every host, the lab's client key, known hosts and ssh
+    config, /etc/hosts, and per host an sshd config and host key."""
+    _private(root)
+    mounted = [m for m in _mountpoints() if m == root or root in m.parents]
+    if mounted:   # never rmtree through a mount (a lab's folders are never mounted here)
+        raise LabError(f"{mounted[0]} is a mount point; not wiping the lab folder {root}")
+    for old in root.glob("h[0-9]*"):
+        shutil.rmtree(old)
+    for f in ("id_ed25519", "id_ed25519.pub", "known_hosts", "ssh_config", "hosts"):
+        (root / f).unlink(missing_ok=True)
+    _keygen(root / "id_ed25519", "segctl-lab")
+    known = "".join(_write_host(root, h) for h in hosts)
+    (root / "known_hosts").write_text(known)
+    (root / "ssh_config").write_text(_ssh_config(hosts, root / "id_ed25519", root / "known_hosts"))
+    (root / "hosts").write_text("127.0.0.1 localhost\n" +
+                                "".join(f"{h.address} {h.name}\n" for h in hosts))
+    # each host holds the client side too, so hosts ssh to each other by name
+    # (a head in h1 runs `cluster up` to h2, h3...)
+    for h in hosts:
+        ssh_dir = h.home / ".ssh"
+        shutil.copy(root / "id_ed25519", ssh_dir / "id_ed25519")
+        (ssh_dir / "known_hosts").write_text(known)
+        (ssh_dir / "config").write_text(
+            _ssh_config(hosts, Path("~/.ssh/id_ed25519"), Path("~/.ssh/known_hosts")))
+    _write_ssh_wrapper(root)
+
+
+def _write_host(root: Path, h: Host) -> str:
+    """Host `h`'s folders, sshd config and host key; its known_hosts line."""
+    _private(root / h.name)
+    etc = _private(root / h.name / "etc")
+    _keygen(etc / "ssh_host_ed25519_key", h.name)
+    (etc / "sshd_config").write_text(_sshd_config(h, etc))
+    tmp = root / h.name / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    # sshd's StrictModes: the home and ~/.ssh must not be writable by others
+    ssh_dir = _private(h.home / ".ssh")
+    shutil.copy(root / "id_ed25519.pub", ssh_dir / "authorized_keys")
+    for shared in _shared_under_home():   # mount points of the boot script
+        (h.home / shared.relative_to(ROOT_HOME)).mkdir(parents=True, exist_ok=True)
+    key = (etc / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+    return f"{h.name},{h.address} {' '.join(key)}\n"
+
+
+def _write_ssh_wrapper(root: Path) -> None:
+    """ROOT/bin/ssh: plain `ssh` with the lab's config, for code that runs `ssh`
+    itself (segctl's fleet): put ROOT/bin first on its PATH."""
+    bin_dir = _private(root / "bin")
+    search = os.pathsep.join(p for p in os.environ.get("PATH", SYSTEM_PATH).split(os.pathsep)
+                             if p and Path(p).resolve() != bin_dir)   # never itself
+    real = shutil.which("ssh", path=search) or "/usr/bin/ssh"
+    (bin_dir / "ssh").write_text(f"#!/bin/sh\nexec {shlex.quote(real)} -F "
+                                 f'{shlex.quote(str(root / "ssh_config"))} "$@"\n')
+    os.chmod(bin_dir / "ssh", 0o700)
+
+
+def _sshd_config(h: Host, etc: Path) -> str:
+    env = " ".join(f"{k}={v}" for k, v in host_env().items())
+    return "\n".join([
+        f"ListenAddress {h.address}:22",
+        f"HostKey {etc / 'ssh_host_ed25519_key'}",
+        f"PidFile {etc / 'sshd.pid'}",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "AuthenticationMethods publickey",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",                       # PAM would reach for the machine's logind and limits
+        "AuthorizedKeysFile .ssh/authorized_keys",
+        "StrictModes yes",
+        "UseDNS no",
+        "PrintMotd no",
+        "PrintLastLog no",
+        "X11Forwarding no",
+        # sshd's SetEnv is applied after its own PATH: a non-interactive
+        # `ssh host segctl ...` finds the venv without any shell start-up file
+        f"SetEnv {env}",
+        "Subsystem sftp internal-sftp",
+        "MaxStartups 64:30:128",           # `cluster up` opens several sessions at once
+        "LogLevel INFO", ""])
+
+
+def _ssh_config(hosts: list[Host], key: Path, known_hosts: Path) -> str:
+    blocks = [f"Host {h.name} {h.address}\n  HostName {h.address}\n" for h in hosts]
+    names = " ".join(p for h in hosts for p in (h.name, h.address))
+    return "".join(blocks) + "\n".join([
+        f"Host {names}", "  User root", f"  IdentityFile {key}", "  IdentitiesOnly yes",
+        f"  UserKnownHostsFile {known_hosts}", "  GlobalKnownHostsFile /dev/null",
+        "  StrictHostKeyChecking yes", "  BatchMode yes", "  ConnectTimeout 5",
+        "  LogLevel ERROR", ""])
+
+
+def _make_network(hosts: list[Host]) -> None:
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("addr", "add", f"{BRIDGE_ADDRESS}/{NETWORK.prefixlen}", "dev", BRIDGE)
+    _ip("link", "set", BRIDGE, "up")
+    for h in hosts:
+        _ip("netns", "add", h.netns)
+        # one veth pair: the host's end is created straight inside its namespace as eth0
+        _ip("link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+        _ip("link", "set", h.veth, "master", BRIDGE, "up")
+        _ip("-n", h.netns, "addr", "add", f"{h.address}/{NETWORK.prefixlen}", "dev", "eth0")
+        _ip("-n", h.netns, "link", "set", "eth0", "up")
+        _ip("-n", h.netns, "link", "set", "lo", "up")
+
+
+# The host's boot, in its fresh mount and UTS namespaces: a private /run first
+# (mount(8) keeps its utab there, and sshd needs /run/sshd), /dev/shm (Ray's
+# object store) and /tmp; the shared software (SRC DST pairs) bound read-only
+# into the home, then the home over root's; the lab's /etc/hosts; the hostname;
+# then sshd in the foreground, so its pid is this process's.
+_BOOT = r"""
+set -eu
+sshd=$1 name=$2 home=$3 roots_home=$4 tmp=$5 hosts=$6 config=$7 log=$8
+shift 8
+mount -n -t tmpfs -o mode=0755 lab-run /run
+mkdir -m 0755 /run/sshd
+mount -n -t tmpfs -o mode=1777 lab-shm /dev/shm
+mount -n --bind "$tmp" /tmp
+while [ $# -gt 1 ]; do
+  mount -n --bind "$1" "$2"
+  mount -n -o remount,bind,ro "$2"
+  shift 2
+done
+mount -n --rbind "$home" "$roots_home"
+mount -n --bind "$hosts" /etc/hosts
+hostname "$name"
+exec "$sshd" -D -f "$config" -E "$log"
+"""
+
+
+def _start_sshd(root: Path, h: Host) -> None:
+    etc = root / h.name / "etc"
+    # checked first for a clear error (sshd -t wants /run/sshd: a throwaway /run)
+    check = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            'mount -n -t tmpfs lab-run /run && mkdir /run/sshd && exec "$@"',
+                            "sshd-check", str(SSHD), "-t", "-f", str(etc / "sshd_config")],
+                           capture_output=True, text=True, env=_unthreaded_env())
+    if check.returncode != 0:
+        raise LabError(f"{h.name}: sshd refuses its config: {_last_line(check.stderr)}")
+    pairs = [str(p) for shared in _shared_under_home()
+             for p in (shared, h.home / shared.relative_to(ROOT_HOME))]
+    argv = ["setsid", "-f", "ip", "netns", "exec", h.netns,
+            "unshare", "--mount", "--uts", "--propagation", "private", "--",
+            "sh", "-c", _BOOT, f"lab-{h.name}", str(SSHD), h.name, str(h.home), str(ROOT_HOME),
+            str(root / h.name / "tmp"), str(root / "hosts"), str(etc / "sshd_config"),
+            str(etc / "sshd.log"), *pairs]
+    with open(etc / "boot.log", "ab") as log:
+        # setsid -f: the sshd is no child of ours and no member of our session, so
+        # it outlives this process (and a Ctrl-C in its terminal)
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True,
+                       env=_unthreaded_env())
+
+
+def _wait_sshd(root: Path, h: Host) -> Host:
+    """The host once its sshd answers on port 22, with the sshd's pid (from the
+    pid file sshd writes itself) and start time."""
+    etc = root / h.name / "etc"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        pid = _read_pid(etc / "sshd.pid")
+        is_sshd = pid and os.path.realpath(f"/proc/{pid}/exe") == str(SSHD)
+        if is_sshd and _port_open(h.address, 22):
+            return Host(**{**asdict(h), "sshd_pid": pid, "sshd_started": start_time(pid)})
+        logs = [etc / "boot.log", etc / "sshd.log"]
+        said = "".join(p.read_text(errors="replace") for p in logs if p.exists())
+        # the boot script stops at its first error (set -e), sshd at a fatal one
+        if said.strip() and not pids(h):
+            raise LabError(f"{h.name} did not boot: {_last_line(said)} (logs: {etc})")
+        if time.monotonic() > deadline:
+            raise LabError(f"{h.name}: sshd did not answer on {h.address}:22 within "
+                           f"{START_TIMEOUT_S} s (logs: {etc})")
+        time.sleep(0.05)
+
+
+def _shared_under_home() -> list[Path]:
+    """The software a host needs that lives under root's home (and so would be
+    hidden by the host's own): the repo, its venv and the Python the venv was
+    made from (pyenv's), outermost folders only."""
+    python = (VENV / "bin" / "python").resolve()
+    found = {p.resolve() for p in (REPO, VENV, python.parent.parent)}
+    under = sorted(p for p in found if ROOT_HOME in p.parents)
+    return [p for p in under if not any(q in p.parents for q in under)]
+
+
+# ------------------------------------------------------------------ internals: down
+
+def _down(root: Path) -> None:
+    state = _read_state(root)
+    if state is None:
+        return
+    hosts = [_host_from(h) for h in state["hosts"]]
+    for h in hosts:
+        _stop_processes(h)
+    for h in hosts:
+        # the cable first: deleting one end of a veth pair deletes both at once,
+        # whereas after `netns del` the kernel drops them in its own time
+        if _link_exists(h.veth):
+            _ip("link", "del", h.veth)
+        if (NETNS_DIR / h.netns).exists():
+            _ip("netns", "del", h.netns)
+    if _link_exists(state["bridge"]):
+        _ip("link", "del", state["bridge"])
+    # `ip netns add` makes /run/netns a mount point of its own the first time;
+    # undone when it was this lab's doing and no other namespace lives there now
+    if state.get("made_netns_dir") and _is_mount(NETNS_DIR) and not any(NETNS_DIR.iterdir()):
+        _umount(NETNS_DIR)
+        NETNS_DIR.rmdir()
+    left = ([f"process {p}" for h in hosts for p in _host_pids(h)] +
+            [f"netns {h.netns}" for h in hosts if (NETNS_DIR / h.netns).exists()] +
+            [f"link {n}" for n in [h.veth for h in hosts] + [state["bridge"]] if _link_exists(n)])
+    if left:   # the record stays, so `down` can be run again
+        raise LabError(f"lab down, but still there: {', '.join(left)}")
+    (root / STATE).unlink()
+
+
+def _stop_processes(h: Host) -> None:
+    """Everything running in the host (its sshd, its sessions and whatever they
+    left running, Ray included): SIGTERM, then SIGKILL to what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        signalled: set[int] = set()
+        while live := _host_pids(h):
+            for p in set(live) - signalled:   # newcomers too: sshd forks, Ray respawns
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+                signalled.add(p)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+
+
+def _host_pids(h: Host) -> list[int]:
+    found = set(pids(h))
+    if h.sshd_pid and is_ours(h.sshd_pid, h.sshd_started):
+        found.add(h.sshd_pid)
+    return sorted(p for p in found if alive(p))
+
+
+def _lives(h: Host) -> bool:
+    return (NETNS_DIR / h.netns).exists() or bool(
+        h.sshd_pid and is_ours(h.sshd_pid, h.sshd_started))
+
+
+# ------------------------------------------------------------------ small helpers
+
+def _unthreaded_env() -> dict:
+    """Our environment less LD_PRELOAD: a preloaded OpenBLAS starts threads in every
+    process, and a threaded process cannot enter or make a mount namespace."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
+def _ip(*args: str) -> None:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, env=_unthreaded_env())
+    if out.returncode != 0:
+        raise LabError(f"ip {' '.join(args)}: {_last_line(out.stderr)}")
+
+
+def _umount(path: Path) -> None:
+    # umount(8) would leave /run/mount (libmount's lock folder) behind: the syscall
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(str(path).encode(), 0) != 0:
+        raise LabError(f"umount {path}: {os.strerror(ctypes.get_errno())}")
+
+
+def _link_exists(name: str) -> bool:
+    return Path("/sys/class/net", name).exists()   # this (root) namespace's links
+
+
+def _is_mount(path: Path) -> bool:
+    return path.resolve() in _mountpoints()
+
+
+def _mountpoints() -> set[Path]:
+    # field 5 of mountinfo, with the kernel's octal escapes (\040 for a space)
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    return {Path(ln.split()[4].encode().decode("unicode_escape")) for ln in lines if ln.strip()}
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _keygen(path: Path, comment: str) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+                   check=True, capture_output=True)
+
+
+def _private(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+@contextmanager
+def _locked(root: Path):
+    """One `up` or `down` at a time per lab folder."""
+    _private(root)
+    with open(root / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _host_record(h: Host) -> dict:
+    return {**asdict(h), "home": str(h.home)}
+
+
+def _host_from(d: dict) -> Host:
+    return Host(**{**d, "home": Path(d["home"])})
+
+
+def _read_state(root: Path) -> dict | None:
+    try:
+        return json.loads((root / STATE).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise LabError(f"{root / STATE}: not a lab record ({e}); remove what it made by hand "
+                       f"(ip netns del seglab-hN, ip link del {BRIDGE})") from None
+
+
+def _write_state(root: Path, state: dict) -> None:
+    tmp = root / f".{STATE}.tmp"
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(root / STATE)
+
+
+def _last_line(text: str) -> str:
+    """The last message in a tool's output; indented lines continue a message (mount's
+    "dmesg(1) may have more information" hint) and are not one."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    heads = [ln for ln in lines if not ln[0].isspace()] or lines
+    return heads[-1].strip() if heads else "(no output)"
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {_last_line(str(e)) if str(e) else 'no message'}"
