@@ -5,7 +5,10 @@ One loop, top to bottom each turn:
   1. see which nodes are alive (Ray's node table) and give each an agent;
   2. collect attempts that ended and apply their outcome (the state machine);
   3. place pending trials: highest priority first, the sweep's concurrency cap
-     holds, only on nodes where the planner predicts the trial fits.
+     holds, only on nodes where the planner predicts the trial fits. A node takes
+     up to its max_trials at once: each attempt holds the memory its plan
+     predicts (plus the margin) and is guarded at that, and the next trial is
+     planned in what is left.
 Agents call back into the same actor (`started`, `ingest`, `checkpoint`), which
 makes this actor the collector: the stores' only writer.
 
@@ -32,6 +35,7 @@ import ray
 
 from node import models
 from node.raynode import private_dir
+from schemas.cluster import DEFAULT_MARGIN
 from schemas.job import JobSpec
 from schemas.records import (AttemptResult, AttemptSpec, NodeInfo, ProbeSpec, SweepState,
                              TrialState)
@@ -67,7 +71,7 @@ class Controller:
         self.mu = threading.RLock()
         self.nodes: dict[str, NodeInfo] = {}
         self.agents: dict[str, object] = {}
-        self.busy: dict[str, int] = {}          # node -> attempt running there
+        self.held: dict[str, dict] = {}         # node -> {attempt (or "tune:ID"): GB it holds}
         self.free_since: dict[str, float] = {}  # node -> when it last became free
         self.inflight: dict[object, tuple[int, str, str]] = {}   # ref -> (attempt, trial, node)
         self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
@@ -285,7 +289,7 @@ class Controller:
             aid, tid, node = self.inflight.pop(ref)
             ended.append((aid, self._result(ref, aid, node)))
             with self.mu:
-                self.busy.pop(node, None)
+                self.held.get(node, {}).pop(aid, None)
                 self.free_since[node] = ended[-1][1].ended or self.clock()
         with self.mu:
             # Freed nodes get their next trial before the finished attempts are
@@ -346,8 +350,18 @@ class Controller:
         return came
 
     # ------------------------------------------------------------ placement
+    def takes_work(self, n: NodeInfo) -> bool:
+        """Whether node `n` can start one more attempt: its agent is up, it runs
+        fewer than its max_trials, and memory is left (a tune holds it whole)."""
+        held = self.held.get(n.name, {})
+        return n.name in self.agents and len(held) < n.max_trials and self.spare(n) > 0
+
+    def spare(self, n: NodeInfo) -> float:
+        """GB of node `n`'s budget no running attempt holds."""
+        return n.memory_gb - sum(self.held.get(n.name, {}).values())
+
     def place(self) -> None:
-        free = [n for n in self.nodes.values() if n.name not in self.busy and n.name in self.agents]
+        free = [n for n in self.nodes.values() if self.takes_work(n)]
         free = self._place_probes(free)
         sweeps = self.state.q("SELECT * FROM sweeps WHERE state = 'RUNNING' "
                               "ORDER BY priority DESC, created")
@@ -379,19 +393,42 @@ class Controller:
                                     "and no other node matches")
                     self._maybe_done(s["id"])
                 continue
+            # Whether it fits a node at all is judged on the whole node ...
             plans = {n.name: self._plan(t, n, knobs) for n in candidates}
             if not any(p.fits for p in plans.values()):
                 worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
                 self.state.move(t["id"], TrialState.FAILED, f"does not fit any node ({worst})")
                 self._maybe_done(s["id"])
                 continue
-            fitting = [n for n in free if n.name in plans and plans[n.name].fits]
+            # ... where it goes now, on what running attempts leave of each (a trial
+            # that ran out of memory sharing a node waits for one to itself).
+            solo = self._shared_oom(t)
+            fitting = []
+            for n in free:
+                if n.name in plans and plans[n.name].fits and not (solo and self.held.get(n.name)):
+                    spare = self.spare(n)
+                    plan = plans[n.name] if spare >= n.memory_gb else self._plan_now(
+                        t, n, knobs, budget_gb=spare)
+                    if plan.fits:
+                        fitting.append((n, plan))
             if not fitting:
-                continue   # it fits somewhere busy: wait for that node
-            node = max(fitting, key=lambda n: (plans[n.name].segment_size, -n.memory_gb))
-            free.remove(node)
-            self.dispatch(t, node, plans[node.name])
+                continue   # it fits somewhere busy: wait for room there
+            # the least loaded node first (spread, then stack), then the fastest plan
+            node, plan = max(fitting, key=lambda np: (-len(self.held.get(np[0].name, {})),
+                                                      np[1].segment_size, -np[0].memory_gb))
+            self.dispatch(t, node, plan, knobs.get("margin", DEFAULT_MARGIN), solo)
+            if not self.takes_work(node):
+                free.remove(node)
             live += 1
+
+    def _shared_oom(self, t) -> bool:
+        """Whether trial `t`'s last attempt ran out of memory under less than its
+        node's whole budget (sharing it): the prediction it was held to was low."""
+        a = self.state.one("SELECT outcome, budget_gb, node FROM attempts WHERE trial = ? "
+                           "ORDER BY id DESC LIMIT 1", (t["id"],))
+        node = self.nodes.get(a["node"]) if a else None
+        return bool(a and a["outcome"] == "oom" and node and a["budget_gb"] is not None
+                    and a["budget_gb"] < node.memory_gb)
 
     def fail_sweep(self, sid: str, reason: str) -> None:
         """The sweep cannot go on: its trials that have not started fail with the
@@ -409,7 +446,8 @@ class Controller:
             for cls, c in t["classes"].items():
                 if c["state"] != "queued":
                     continue
-                node = next((n for n in free if n.node_class == cls), None)
+                node = next((n for n in free if n.node_class == cls and not self.held.get(n.name)),
+                            None)
                 if node is None:
                     if not any(n.node_class == cls for n in self.nodes.values()):
                         c.update(state="failed", error=f"no node of class {cls} is up")
@@ -420,7 +458,7 @@ class Controller:
                                  budget_gb=node.memory_gb, points=c["points"], steps=req["steps"])
                 ref = self.agents[node.name].probe.remote(tid, spec)
                 self.probing[ref] = (tid, cls, node.name)
-                self.busy[node.name] = f"tune:{tid}"
+                self.held[node.name] = {f"tune:{tid}": float("inf")}   # probes measure a whole node
                 c.update(state="running", node=node.name)
                 free = [n for n in free if n.name != node.name]
         return free
@@ -435,7 +473,7 @@ class Controller:
         except Exception as e:   # the agent failed (or the head refused a point): that class fails
             result = {"error": self.fault(f"tune {tid}: probes of {cls} on {node}", e)}
         with self.mu:
-            self.busy.pop(node, None)
+            self.held.get(node, {}).pop(f"tune:{tid}", None)
             self.free_since[node] = self.clock()
             c = self.tunes[tid]["classes"][cls]
             error = result.get("error") or ""
@@ -448,11 +486,12 @@ class Controller:
             self.plans[key] = self._plan_now(t, node, knobs)
         return self.plans[key]
 
-    def _plan_now(self, t, node: NodeInfo, knobs: dict):
+    def _plan_now(self, t, node: NodeInfo, knobs: dict, budget_gb: float | None = None):
         job = JobSpec.model_validate(json.loads(t["job"]))
         info = planner.ModelInfo.from_dict(json.loads(t["model_info"]))
-        return planner.plan(info, job, seq_len=t["seq_len"], budget_gb=node.memory_gb,
-                            margin=knobs.get("margin", 0.15), scale=knobs.get("scale", 1.0),
+        return planner.plan(info, job, seq_len=t["seq_len"],
+                            budget_gb=node.memory_gb if budget_gb is None else budget_gb,
+                            margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", 1.0),
                             below=t["max_segment"],
                             measured=self._measured(info, job, node.node_class))
 
@@ -463,11 +502,17 @@ class Controller:
             self.fitted[key] = measured.models_of(measured.read_plan(self.root, key))
         return self.fitted[key].get(planner.tune_key(job, node_class))
 
-    def dispatch(self, t, node: NodeInfo, plan) -> None:
+    def dispatch(self, t, node: NodeInfo, plan, margin: float = 0.0, solo: bool = False) -> None:
         """Start an attempt of trial `t` on `node`. What the attempt needs from the
         head is read first: a damaged or missing input fails the trial (running it
         again cannot help). A failure once the attempt is recorded (the agent gone)
-        ends that attempt, not the turn."""
+        ends that attempt, not the turn.
+
+        A node alone to itself (max_trials 1), or a `solo` attempt, gets all of the
+        node; a node that shares lends each attempt what its plan predicts plus the
+        margin, at least its even share of the node (a low prediction of a small
+        trial costs nothing then), at most what is left; the attempt's guard holds
+        it to that."""
         tid = t["id"]
         try:
             data = {name: _read_input(self.root / "inputs" / sha)
@@ -477,11 +522,18 @@ class Controller:
             line = self.fault(f"trial {tid}: reading its inputs on the head", e)
             self.state.move(tid, TrialState.FAILED, line, message=line)
             return self._maybe_done(t["sweep"])
+        hold = node.memory_gb if node.max_trials == 1 or solo else min(
+            self.spare(node), max(plan.predicted_gb / (1 - margin),
+                                  node.memory_gb / node.max_trials))
+        job = json.loads(t["job"])
+        mem = job.setdefault("memory", {})
+        mem["segment_size"] = plan.segment_size
+        mem["budget_gb"] = min(mem.get("budget_gb") or hold, hold)
         # Runnable since: the trial was pending and this node was free (the later).
         ready = max(t["runnable_since"], self.free_since.get(node.name, 0.0))
         aid = self.state.add_attempt(tid, node=node.name, chip=node.chip,
                                      segment_size=plan.segment_size,
-                                     predicted_gb=plan.predicted_gb, budget_gb=node.memory_gb,
+                                     predicted_gb=plan.predicted_gb, budget_gb=mem["budget_gb"],
                                      resume_step=ckpt[0] if ckpt else None, ready=ready)
         how = f"resuming from step {ckpt[0]}" if ckpt else "from the start"
         self.state.move(tid, TrialState.PLACED,
@@ -489,10 +541,6 @@ class Controller:
                         f"{plan.segment_size}, predicted peak {plan.predicted_gb:.3f} GB "
                         f"({plan.source}), {how}",
                         attempt=aid)
-        job = json.loads(t["job"])
-        mem = job.setdefault("memory", {})
-        mem["segment_size"] = plan.segment_size
-        mem["budget_gb"] = min(mem.get("budget_gb") or node.memory_gb, node.memory_gb)
         spec = AttemptSpec(sweep=t["sweep"], trial=tid, attempt=aid, job=job, data=data,
                            checkpoint_step=ckpt[0] if ckpt else None,
                            checkpoint=ckpt[1] if ckpt else {})
@@ -502,7 +550,7 @@ class Controller:
             line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
             return self.finish(aid, AttemptResult(attempt=aid, outcome="agent_error", message=line))
         self.inflight[ref] = (aid, tid, node.name)
-        self.busy[node.name] = aid
+        self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
 
     # ------------------------------------------------------------ outcomes
     def finish(self, aid: int, r: AttemptResult) -> None:
@@ -543,6 +591,10 @@ class Controller:
                 self.state.move(tid, TrialState.PENDING,
                                 f"re-plan below segment_size {seg} after out of memory on {node}",
                                 attempt=aid, max_segment=min(seg, t["max_segment"] or seg))
+            elif self._shared_oom(t):
+                self.state.move(tid, TrialState.PENDING,
+                                f"out of memory sharing {node} ({a['budget_gb']:.3f} GB lent): "
+                                "next on a node to itself", attempt=aid)
             else:
                 excluded = sorted(set(json.loads(t["excluded"])) | {node})
                 self.state.move(tid, TrialState.PENDING,
@@ -714,7 +766,7 @@ class Head:
 
     def ping(self) -> dict:
         return {"root": self.root, "pid": os.getpid(), "nodes": sorted(self.c.nodes),
-                "busy": dict(self.c.busy)}
+                "busy": {n: sorted(map(str, h)) for n, h in self.c.held.items() if h}}
 
     def submit(self, payload: dict) -> str:
         return self.c.submit(payload)

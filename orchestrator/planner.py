@@ -32,6 +32,7 @@ import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from schemas.cluster import DEFAULT_MARGIN
 from schemas.job import JobSpec
 from schemas.limits import check_model_config, load_json, read_model_config
 from schemas.records import Plan
@@ -339,7 +340,8 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
 
 # ---------------------------------------------------------------- the decision
 
-def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float, margin: float = 0.15,
+def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float,
+         margin: float = DEFAULT_MARGIN,
          scale: float = 1.0, below: int | None = None, measured=None) -> Plan:
     """The segment size for `job` on a node with `budget_gb`: a fixed size as the job
     gives it; `auto`: the fastest that fits; `below` (after an OOM at that size): the

@@ -12,7 +12,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from .errors import SpecError
 from .limits import (HOST_PATTERN, LABEL_KEY_PATTERN, LABEL_PATTERN, MAX_HOST_CHARS, MAX_LABEL_CHARS,
-                     MAX_MEMORY_GB, MAX_PORT, NODE_NAME_PATTERN, check_path, one_line)
+                     MAX_MEMORY_GB, MAX_PORT, MAX_TRIALS_PER_NODE, NODE_NAME_PATTERN, check_path,
+                     one_line)
+
+# Trials a node runs at once unless its entry says otherwise: small trials share
+# a machine (the planner still keeps their predicted peaks within its budget).
+DEFAULT_MAX_TRIALS = 2
+DEFAULT_MARGIN = 0.15   # fraction of a node's budget the planner keeps free
 from .yamlspec import line_of, load_yaml, not_a_mapping, problem
 
 # Node labels become Ray node labels; these come from the node itself (NodeInfo.matches).
@@ -62,7 +68,7 @@ class HeadSpec(Strict):
 
 
 class PlannerSpec(Strict):
-    margin: float = Field(0.15, ge=0, lt=1, description="fraction of a node's budget kept free")
+    margin: float = Field(DEFAULT_MARGIN, ge=0, lt=1, description="fraction of a node's budget kept free")
     scale: float = Field(1.0, gt=0, description="multiplies the analytic peak estimate")
 
 
@@ -73,6 +79,9 @@ class NodeSpec(Strict):
     local: bool = Field(False, description="run as a real Ray node process on this machine")
     chip: Label = Field("unknown", description="e.g. m2-ultra")
     memory_gb: float = Field(gt=0, le=MAX_MEMORY_GB, description="training budget on the node")
+    max_trials: int = Field(DEFAULT_MAX_TRIALS, ge=1, le=MAX_TRIALS_PER_NODE,
+                            description="trials it runs at once, each under its own memory "
+                                        "guard, as long as their predicted peaks fit memory_gb")
     labels: dict[Annotated[str, AfterValidator(_label_key)], Label] = Field(
         {}, description="extra node labels a sweep's placement can ask for")
 

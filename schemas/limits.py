@@ -47,6 +47,7 @@ MAX_STEPS = 1_000_000_000      # iters, epochs, warmup, eval_every, checkpoint_e
 MAX_SEED = 2**32 - 1           # train.seed (the engine seeds MLX with seed * 1000003 + step)
 MAX_MEMORY_GB = 65_536         # a node's or a job's memory budget
 MAX_PORT = 65_535              # the head's port (1 ..)
+MAX_TRIALS_PER_NODE = 32       # a node's max_trials (its agent serves this many calls at once)
 
 # ------------------------------------------------------------------ model folders (config.json)
 

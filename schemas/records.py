@@ -76,6 +76,7 @@ class NodeInfo(BaseModel):
     os: str = "unknown"
     labels: dict[str, str] = {}
     alive: bool = True
+    max_trials: int = 1   # attempts it runs at once, while their predicted peaks fit memory_gb
 
     @property
     def node_class(self) -> str:

@@ -246,7 +246,9 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
 
 def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_message(fleet):
     # low's first trial is long enough that high surely arrives while it runs
-    low = _sweep(fleet, "low", placement={"name": "large"}, grid={"train.iters": [60, 4, 4]})
+    # (one at a time: the node runs two trials at once, and this is about the queue)
+    low = _sweep(fleet, "low", placement={"name": "large"}, grid={"train.iters": [60, 4, 4]},
+                 concurrency=1)
     high = _sweep(fleet, "high", placement={"name": "large"}, priority=5,
                   grid={"train.seed": [0, 1]})
     first = segctl("submit", low, "--cluster", fleet["cluster"], "--detach").stdout.strip()

@@ -324,7 +324,7 @@ def test_a_damaged_input_fails_its_trial_and_an_agent_that_refuses_its_attempt(t
     ended = c.state.q("SELECT * FROM attempts WHERE outcome = 'agent_error'")
     assert ended and all(a["node"] == "b" for a in ended)
     assert "handing it to b" in ended[0]["message"]
-    assert "b" not in c.busy and set(trials(c, other).values()) <= {"PENDING", "PLACED", "FAILED"}
+    assert not c.held.get("b") and set(trials(c, other).values()) <= {"PENDING", "PLACED", "FAILED"}
     assert "PLACED" in trials(c, other).values()
 
 
@@ -343,7 +343,7 @@ def test_a_probe_error_fails_that_class_and_frees_the_node(tmp_path):
     world.turns(c, 1)
     cls = c.tune_status(tid)["classes"]["sim/8GB"]
     assert cls["state"] == "failed" and "disk full" in cls["error"]
-    assert not c.busy
+    assert not any(c.held.values())
 
 
 def test_listing_nodes_or_starting_an_agent_can_fail_and_the_loop_goes_on(tmp_path, payload):
@@ -461,3 +461,120 @@ def test_a_locked_state_db_is_one_line_saying_who_holds_it(tmp_path, monkeypatch
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+
+
+# ------------------------------------------------------------------ several trials per node
+
+def _fixed(payload: dict, name: str, n: int, segment_size: int = 1) -> dict:
+    """n copies of the first trial at a fixed segment size: equal predicted peaks."""
+    p = small(payload, name, n=1)
+    first = p["trials"][0]
+    first["job"].setdefault("memory", {})["segment_size"] = segment_size
+    p["trials"] = [dict(json.loads(json.dumps(first)), index=i, name=f"t{i:03d}")
+                   for i in range(n)]
+    return p
+
+
+def _predicted(c: Controller, sid: str, node: NodeInfo) -> float:
+    t = c.state.q("SELECT * FROM trials WHERE sweep = ? ORDER BY idx", (sid,))[0]
+    return c._plan_now(t, node, {}).predicted_gb
+
+
+def test_a_node_runs_as_many_trials_as_its_max_trials_and_its_memory_allow(tmp_path, payload):
+    from schemas.cluster import DEFAULT_MARGIN
+    world = World(names=("a",))
+    world.nodes[0].max_trials = 3
+    c = world.controller(tmp_path)
+    sid = c.submit(_fixed(payload, "s", n=4))
+    world.turns(c, 2)
+    runs = running(world.agents["a"])
+    assert len(runs) == 3   # max_trials, not memory, is the bound on 8 GB
+    for r in runs:   # each guarded at its predicted peak plus the margin, or its even share
+        p = c._plan_now(c.state.trial(r.args[0].trial), world.nodes[0], {}).predicted_gb
+        assert r.args[0].job["memory"]["budget_gb"] == pytest.approx(
+            max(p / (1 - DEFAULT_MARGIN), world.nodes[0].memory_gb / 3))
+    assert sum(c.held["a"].values()) <= world.nodes[0].memory_gb
+    # one ends: the fourth takes its place
+    runs[0].settle(AttemptResult(attempt=runs[0].args[0].attempt, outcome="failed",
+                                 message="bad row"))
+    world.turns(c, 1)
+    assert len(running(world.agents["a"])) == 3
+
+
+def test_memory_bounds_the_trials_a_node_shares(tmp_path, payload):
+    from schemas.cluster import DEFAULT_MARGIN
+    world = World(names=("a",))
+    c0 = world.controller(tmp_path / "probe")
+    p = _predicted(c0, c0.submit(_fixed(payload, "s", n=1)), world.nodes[0])
+    # room for two predicted peaks (with their margins) and half of a third
+    world.nodes[0].memory_gb = round(2.5 * p / (1 - DEFAULT_MARGIN), 6)
+    world.nodes[0].max_trials = 8
+    c = world.controller(tmp_path / "run")
+    sid = c.submit(_fixed(payload, "s", n=4))
+    world.turns(c, 2)
+    assert len(running(world.agents["a"])) == 2
+    assert sorted(trials(c, sid).values()) == ["PENDING", "PENDING", "PLACED", "PLACED"]
+
+
+def test_trials_spread_over_nodes_before_they_stack(tmp_path, payload):
+    world = World(names=("a", "b"))
+    for n in world.nodes:
+        n.max_trials = 2
+    c = world.controller(tmp_path)
+    c.submit(_fixed(payload, "s", n=2))
+    world.turns(c, 2)
+    assert len(running(world.agents["a"])) == 1 and len(running(world.agents["b"])) == 1
+
+
+def test_a_node_alone_to_one_trial_lends_it_the_whole_budget(tmp_path, payload):
+    world = World(names=("a",))
+    c = world.controller(tmp_path)
+    c.submit(_fixed(payload, "s", n=2))
+    world.turns(c, 2)
+    [r] = running(world.agents["a"])
+    assert r.args[0].job["memory"]["budget_gb"] == world.nodes[0].memory_gb
+
+
+def test_oom_at_size_one_excludes_the_node_and_retries_end_in_a_reason(tmp_path, payload):
+    world = World(names=("a", "b"))
+    c = world.controller(tmp_path)
+    sid = c.submit(_fixed(payload, "s", n=1))
+    world.turns(c, 1)
+    [r] = running(world.agents["a"]) + running(world.agents["b"])
+    first = r.args[0]
+    r.settle(AttemptResult(attempt=first.attempt, outcome="oom", message="crossed the budget"))
+    world.turns(c, 1)
+    [t] = c.state.q("SELECT * FROM trials WHERE sweep = ?", (sid,))
+    node = c.state.attempt(first.attempt)["node"]
+    assert json.loads(t["excluded"]) == [node]
+    [r2] = running(world.agents["a"]) + running(world.agents["b"])
+    assert c.state.attempt(r2.args[0].attempt)["node"] != node   # the other node took it
+    r2.settle(AttemptResult(attempt=r2.args[0].attempt, outcome="oom", message="again"))
+    world.turns(c, 1)
+    [t] = c.state.q("SELECT * FROM trials WHERE sweep = ?", (sid,))
+    assert t["state"] == "FAILED" and "no other node matches" in t["message"] or \
+        "out of memory at segment_size 1" in c.state.one(
+            "SELECT reason FROM events WHERE trial = ? ORDER BY id DESC", (t["id"],))["reason"]
+
+
+def test_out_of_memory_while_sharing_runs_again_on_a_node_to_itself(tmp_path, payload):
+    world = World(names=("a",))
+    world.nodes[0].max_trials = 3
+    c = world.controller(tmp_path)
+    sid = c.submit(_fixed(payload, "s", n=3))
+    world.turns(c, 2)
+    runs = running(world.agents["a"])
+    assert len(runs) == 3
+    victim = runs[0].args[0]
+    runs[0].settle(AttemptResult(attempt=victim.attempt, outcome="oom", message="crossed"))
+    world.turns(c, 2)
+    t = c.state.trial(victim.trial)
+    assert t["state"] == "PENDING" and json.loads(t["excluded"]) == []   # not held against a
+    assert not [r for r in running(world.agents["a"]) if r.args[0].trial == victim.trial]
+    for r in running(world.agents["a"]):   # the other two finish: a is idle
+        r.settle(AttemptResult(attempt=r.args[0].attempt, outcome="failed", message="x"))
+    world.turns(c, 2)
+    [again] = running(world.agents["a"])
+    assert again.args[0].trial == victim.trial
+    assert again.args[0].job["memory"]["budget_gb"] == world.nodes[0].memory_gb
+    assert trials(c, sid)[victim.trial] == "PLACED"
