@@ -1,6 +1,6 @@
 """The agent on each node: a Ray actor pinned to its node that runs attempts the
-head sends it, one at a time, each in a fresh engine process (node/attempt.py),
-and the probe points of a tune (node/probes.py).
+head sends it, up to the node's max_trials at once, each in a fresh engine
+process (node/attempt.py), and the probe points of a tune (node/probes.py).
 
 It reaches the head through the head actor's handle: telemetry batches, then
 checkpoints and the adapter as bytes. Nothing assumes a shared file system.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ray
 
+from schemas.limits import MAX_TRIALS_PER_NODE
 from schemas.records import AttemptResult, AttemptSpec, ProbeSpec
 
 from .attempt import Running, abandoned, run_attempt
@@ -102,6 +103,7 @@ def spawn(name: str, head):
     """The agent of node `name`, pinned to it by its segctl_node resource; it takes
     no CPU slot (training runs in its own process)."""
     return ray.remote(NodeAgent).options(
-        num_cpus=0, max_concurrency=8,
+        # several attempts at once (max_trials), plus probes, cancels and pings
+        num_cpus=0, max_concurrency=MAX_TRIALS_PER_NODE + 8,
         resources={f"segctl_node:{name}": 0.001}, max_restarts=0,
     ).remote(name, head)

@@ -20,6 +20,8 @@ from schemas import events as ev
 from schemas.limits import MAX_TOKENS, one_line
 
 from schemas.job import DEMO_ARCHS, METHODS
+from schemas.cluster import DEFAULT_MARGIN
+from schemas.limits import MAX_TRIALS_PER_NODE
 
 from . import views
 
@@ -268,7 +270,8 @@ def _declared_nodes(spec):
     if spec is None:
         hw = probe()
         return [NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb, os=hw.os)]
-    return [NodeInfo(name=n.name, chip=n.chip, memory_gb=n.memory_gb, labels=n.labels or {})
+    return [NodeInfo(name=n.name, chip=n.chip, memory_gb=n.memory_gb, labels=n.labels or {},
+                     max_trials=n.max_trials)
             for n in spec.nodes]
 
 
@@ -360,7 +363,7 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
         _fail(f"{tid}: lost the head ({type(e).__name__}); the points measured so far are "
               "kept; run the same command again to measure the rest", ev.EXIT_INTERNAL)
     seconds = time.time() - tic
-    margin = spec.planner.margin if spec else 0.15
+    margin = spec.planner.margin if spec else DEFAULT_MARGIN
     rows = measured.read_plan(root, req["model_key"])
     fitted = measured.models_of(rows)
     rep = tuning.report(req, tjob, info, rows, fitted, margin=margin)
@@ -619,7 +622,9 @@ def cluster_down(cluster_file):
 @_cluster_arg
 @click.option("--json", "as_json", is_flag=True)
 def cluster_status(cluster_file, as_json: bool):
-    """Per node: chip, memory budget, busy/free and the trial running there."""
+    """Per node: chip, memory budget, busy/free and the trial running there; per
+    Ray node (the head too): its address and the TCP ports its Ray processes
+    listen on, with the address each is bound to ("*": every interface)."""
     from orchestrator import fleet
     from orchestrator import state
     spec = _cluster(cluster_file)
@@ -632,16 +637,47 @@ def cluster_status(cluster_file, as_json: bool):
     if db.exists():
         con = state.read(db)
         for a in con.execute("SELECT node, trial FROM attempts WHERE status != 'ended'"):
-            running[a["node"]] = a["trial"]
-    nodes = [dict(n.model_dump(), trial=running.get(n.name)) for n in fleet.nodes()]
+            running.setdefault(a["node"], []).append(a["trial"])   # up to its max_trials
+    ray_nodes = fleet.ports()
+    where = {name: r for r in ray_nodes for name in r["names"]}
+    nodes = []
+    for n in fleet.nodes():
+        r = where.get(n.name, {})
+        nodes.append(dict(n.model_dump(), trial=", ".join(running.get(n.name, [])) or None,
+                          trials=running.get(n.name, []), trains=True,
+                          head=r.get("head", False), address=r.get("address"),
+                          listening=r.get("listening", []),
+                          **({"error": r["error"]} if "error" in r else {})))
+    for r in ray_nodes:   # the head, when it trains nothing: its own entry ("(head)")
+        if r["head"] and not r["names"]:
+            nodes.insert(0, dict(name="(head)", chip=None, memory_gb=None, os=None, labels={},
+                                 alive=True, trial=None, trains=False, head=True,
+                                 address=r["address"], listening=r["listening"],
+                                 **({"error": r["error"]} if "error" in r else {})))
     for d in (spec.nodes if spec else []):
         if d.name not in {n["name"] for n in nodes}:
             nodes.append(dict(name=d.name, chip=d.chip, memory_gb=d.memory_gb, os="?",
-                              labels=d.labels or {}, alive=False, trial=None))
+                              labels=d.labels or {}, alive=False, trial=None, trains=True,
+                              head=False, address=None, listening=[]))
     if as_json:
         click.echo(json.dumps(nodes, indent=2))
-    else:
-        views.console().print(views.nodes_table(nodes))
+        return
+    from rich.table import Table
+    console = views.console()
+    console.print(views.nodes_table([n for n in nodes if n["trains"]]))
+    ports = Table(title="listening (TCP)", title_justify="left")
+    for col in ("node", "address", "process", "pid", "bound to", "ports"):
+        ports.add_column(col)
+    for n in nodes:
+        if n.get("error"):
+            ports.add_row(n["name"], n["address"] or "", f"[red]{n['error']}[/]", "", "", "")
+        by: dict = {}
+        for p in n["listening"]:
+            by.setdefault((p["process"], p["pid"], p["address"]), []).append(str(p["port"]))
+        for (proc, pid, bound), nums in sorted(by.items(), key=lambda kv: int(kv[1][0])):
+            ports.add_row(n["name"], n["address"] or "", proc, str(pid),
+                          "every interface" if bound == "*" else bound, ", ".join(nums))
+    console.print(ports)
 
 
 @main.group()
@@ -657,12 +693,16 @@ def node():
               help="training budget (default: this machine's memory from the probe)")
 @click.option("--chip", default=None, help="default: from the probe (e.g. m2-max)")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="extra node label")
+@click.option("--max-trials", type=click.IntRange(1, MAX_TRIALS_PER_NODE), default=1,
+              show_default=True, help="trials this node runs at once (while their predicted "
+                                      "peaks fit --memory-gb)")
 @click.option("--port", type=int, default=6379, show_default=True, help="--head: the Ray port")
 @click.option("--stores", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--head: stores root (default $SEGCTL_HOME or ~/.segctl)")
 @click.option("--token-stdin", is_flag=True,
               help="read the cluster token from stdin (else $SEGCTL_HOME/auth_token)")
-def node_start(is_head, address, name, memory_gb, chip, labels, port, stores, token_stdin):
+def node_start(is_head, address, name, memory_gb, chip, labels, max_trials, port, stores,
+               token_stdin):
     """Start Ray on this machine as the head (--head) or as a node of the head at
     HOST:PORT (--join), with this machine's chip, memory and labels."""
     from node.probe import default_name, probe
@@ -680,7 +720,8 @@ def node_start(is_head, address, name, memory_gb, chip, labels, port, stores, to
         info = fleet.start_here(head=is_head, address=address, name=name or default_name(),
                                 memory_gb=memory_gb or hw.memory_gb, chip=chip or hw.chip,
                                 labels=parsed, port=port, stores=stores,
-                                token=sys.stdin.read().strip() if token_stdin else None, hw=hw)
+                                token=sys.stdin.read().strip() if token_stdin else None, hw=hw,
+                                max_trials=max_trials)
     except (RuntimeError, OSError, TimeoutError, ValueError) as e:
         _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
     click.echo(json.dumps(info))

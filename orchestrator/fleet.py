@@ -32,6 +32,7 @@ from pathlib import Path
 
 from node import raynode
 from node.probe import Hardware, default_name, probe, ray_env
+from schemas.cluster import DEFAULT_MAX_TRIALS
 from schemas.records import NodeInfo
 
 # `ray` itself is imported only where a driver is needed: stores_root() and the
@@ -170,20 +171,49 @@ def nodes() -> list[NodeInfo]:
         out.append(NodeInfo(
             name=names[0], chip=ours.get("chip", "unknown"),
             memory_gb=float(ours.get("memory_gb", 0)), os=ours.get("os", "unknown"), alive=True,
+            max_trials=int(ours.get("max_trials", 1)),
             labels={k: v for k, v in labels.items()
                     if not k.startswith(raynode.LABEL) and not k.startswith("ray.io/")}))
     return sorted(out, key=lambda n: n.name)
+
+
+def ports(timeout: float = 60) -> list[dict]:
+    """Every alive Ray node of the fleet (needs a connected driver): its address,
+    whether it is the head, the segctl node(s) it is, and the TCP ports its Ray
+    processes listen on (`raynode.node_ports`, run there by a task pinned to it:
+    nothing assumes the nodes' processes can be seen from here)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    task = ray.remote(num_cpus=0, max_retries=0)(raynode.node_ports)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote() for n in alive]
+    out = []
+    for n, ref in zip(alive, refs):
+        try:
+            got = ray.get(ref, timeout=timeout)
+        except Exception as e:   # a node that cannot start a worker: say so, list the rest
+            ray.cancel(ref, force=True)
+            got = {"error": _one_line(e), "listening": []}
+        res = n.get("Resources", {})
+        out.append({"names": sorted(r[len(raynode.NODE_RESOURCE):] for r in res
+                                    if r.startswith(raynode.NODE_RESOURCE)),
+                    "head": raynode.HEAD_RESOURCE in res, "address": n["NodeManagerAddress"],
+                    **got})
+    return sorted(out, key=lambda d: (not d["head"], d["names"]))
 
 
 # ------------------------------------------------------------------ one machine
 
 def start_here(*, head: bool, address: str | None, name: str, memory_gb: float, chip: str,
                labels: dict, port: int, stores: Path | None, token: str | None,
-               hw: Hardware) -> dict:
+               hw: Hardware, max_trials: int = 1) -> dict:
     """`segctl node start`: the head here (it also trains, as node `name`), or a
     node joining the head at `address`. Recorded in $SEGCTL_HOME/here.json for
     `segctl node stop`."""
-    node = {"name": name, "memory_gb": memory_gb, "chip": chip, "labels": labels}
+    node = {"name": name, "memory_gb": memory_gb, "chip": chip, "labels": labels,
+            "max_trials": max_trials}
     if head:
         root = Path(stores).expanduser() if stores else segctl_home()
         with _locked(root):
@@ -213,7 +243,7 @@ def start_here(*, head: bool, address: str | None, name: str, memory_gb: float, 
                                f"<stores>/auth_token to {token_path}")
         started = raynode.start_node(address=address, name=name, memory_gb=memory_gb, chip=chip,
                                      labels=labels, hw=hw, token_path=str(token_path),
-                                     log_dir=home / "logs")
+                                     log_dir=home / "logs", max_trials=max_trials)
         entry = {"role": "node", "pid": started["pid"], "started": started["started"],
                  "name": name, "address": address}
     here = [e for e in _read(segctl_home() / HERE_FILE, []) if _running(e)]
@@ -245,16 +275,26 @@ def ssh_start_command(node, join: str) -> list[str]:
     `join`; the token follows on stdin. The chip is left to the remote probe
     unless the cluster file names it."""
     remote = ["segctl", "node", "start", "--join", join, "--name", node.name,
-              "--memory-gb", f"{node.memory_gb:g}", "--token-stdin"]
+              "--memory-gb", f"{node.memory_gb:g}", "--max-trials", str(node.max_trials),
+              "--token-stdin"]
     if node.chip and node.chip != "unknown":
         remote += ["--chip", node.chip]
     for k, v in (node.labels or {}).items():
         remote += ["--label", f"{k}={v}"]
-    return ["ssh", *SSH_OPTIONS, node.host or node.name, shlex.join(remote)]
+    return _ssh_argv(node.host or node.name, remote)
 
 
 def ssh_stop_command(host: str) -> list[str]:
-    return ["ssh", *SSH_OPTIONS, host, "segctl node stop"]
+    return _ssh_argv(host, ["segctl", "node", "stop"])
+
+
+def _ssh_argv(host: str, remote: list[str]) -> list[str]:
+    """`ssh ... -- HOST 'CMD'`: after `--` ssh never reads HOST as an option (a
+    host "-oProxyCommand=..." is a host name, and not one that resolves), and
+    the remote shell gets one line in which every argument is quoted, so a
+    name, label or address reaches the remote segctl as the one argument it is
+    and never as shell syntax."""
+    return ["ssh", *SSH_OPTIONS, "--", host, shlex.join(remote)]
 
 
 def _ssh(ssh, cmd: list[str], stdin: str = "") -> str:
@@ -273,11 +313,16 @@ def _start_head(spec, root: Path, token: Path, hw: Hardware) -> dict:
         # embedded: this machine is head and node; a free port, so a Ray the user
         # runs on 6379 is left alone
         port = _free_port()
-        node = {"name": default_name(), "memory_gb": hw.memory_gb, "chip": hw.chip, "labels": {}}
+        node = {"name": default_name(), "memory_gb": hw.memory_gb, "chip": hw.chip, "labels": {},
+                "max_trials": DEFAULT_MAX_TRIALS}
     else:
         named = _head_is_here(spec.head.address)
         port, node = spec.head.port, None
-    started = raynode.start_head(port=port, stores=root, node=node, hw=hw, log_dir=root / "logs")
+    # a head the cluster file names is advertised at that address: left to itself
+    # Ray on Linux advertises whichever address faces the default route, which
+    # the nodes may have no way to (another network, a container's bridge)
+    started = raynode.start_head(port=port, stores=root, node=node, hw=hw, log_dir=root / "logs",
+                                 node_ip=socket.gethostbyname(named) if named else None)
     # remote nodes join at the address the cluster file names, else at the one Ray
     # advertises for the head (this machine's LAN address)
     return {"address": started["address"], "port": port, "token_path": str(token),
@@ -293,7 +338,7 @@ def _start_node(n, info: dict, root: Path, hw: Hardware, ssh) -> dict:
             address=info["address"], name=n.name, memory_gb=n.memory_gb,
             chip=n.chip if n.chip != "unknown" else hw.chip, labels=n.labels or {}, hw=hw,
             token_path=str(token), log_dir=root / "logs",
-            object_store_mb=raynode.LOCAL_OBJECT_STORE_MB)
+            object_store_mb=raynode.LOCAL_OBJECT_STORE_MB, max_trials=n.max_trials)
         return {"pid": started["pid"], "started": started["started"], "local": True, "host": None}
     out = _ssh(ssh, ssh_start_command(n, info["join"]), stdin=token.read_text().strip())
     reply = json.loads(out.strip().splitlines()[-1])

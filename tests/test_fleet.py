@@ -9,6 +9,7 @@ pid at the end."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shlex
 import socket
@@ -76,11 +77,87 @@ def test_ssh_start_command_carries_the_node():
     assert cmd[:1] == ["ssh"] and "BatchMode=yes" in cmd and cmd[-2] == "lab@mac9.local"
     assert shlex.split(cmd[-1]) == [
         "segctl", "node", "start", "--join", "10.0.0.2:6379", "--name", "mac9",
-        "--memory-gb", "96", "--token-stdin", "--chip", "m2-ultra", "--label", "rack=b2"]
+        "--memory-gb", "96", "--max-trials", "2", "--token-stdin", "--chip", "m2-ultra",
+        "--label", "rack=b2"]
     # the chip of a node the file does not describe is left to that Mac's probe
     plain = fleet.ssh_start_command(NodeSpec(name="air", host="air", memory_gb=16), "h:1")
     assert "--chip" not in shlex.split(plain[-1])
     assert fleet.ssh_stop_command("lab@mac9.local")[-2:] == ["lab@mac9.local", "segctl node stop"]
+
+
+def test_hostile_cluster_values_reach_ssh_and_the_remote_shell_as_data(tmp_path):
+    """A host, name, chip or label that is shell syntax or an ssh option never acts
+    as one: the schema refuses such values already, and even one that got past it
+    (model_construct skips validation) is the destination after `--` and one
+    quoted argument of the remote command line."""
+    marker = tmp_path / "pwned"
+    touch = f"touch {marker}"
+    node = NodeSpec.model_construct(
+        name=f"n;{touch}", host=f"-oProxyCommand={touch}", local=False, chip=f"`{touch}`",
+        memory_gb=1.0, labels={"k": f"v' ; {touch} ; '", f"$({touch})": "x"})
+    start, stop = fleet.ssh_start_command(node, "10.0.0.2:6379"), fleet.ssh_stop_command(node.host)
+    for cmd in (start, stop):
+        # ssh's own options, then `--`, then the host: ssh reads nothing after `--` as one
+        assert cmd[:len(fleet.SSH_OPTIONS) + 3] == ["ssh", *fleet.SSH_OPTIONS, "--", node.host]
+        assert len(cmd) == len(fleet.SSH_OPTIONS) + 4
+    # The remote side: sshd hands the command line to the user's shell (`sh -c LINE`);
+    # a stand-in segctl prints the arguments it got.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "segctl").write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c "
+        "'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    (bin_dir / "segctl").chmod(0o755)
+    got = subprocess.run(["sh", "-c", start[-1]], capture_output=True, text=True,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert got.returncode == 0, got.stderr
+    argv = json.loads(got.stdout)
+    assert argv[argv.index("--name") + 1] == node.name
+    assert argv[argv.index("--chip") + 1] == node.chip
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--label"] == [
+        f"{k}={v}" for k, v in node.labels.items()]
+    # and the real ssh client takes the host as a (bad) host name, not an option
+    for cmd in (start, stop):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL)
+        assert out.returncode != 0
+    assert not marker.exists()
+
+
+def test_a_linux_node_advertises_its_address_toward_the_head():
+    assert raynode.route_ip("127.0.0.1:6379") == "127.0.0.1"
+    assert raynode.route_ip("not a host:1") is None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:   # this machine's address
+        try:                                                      # toward a LAN head, if any
+            s.connect(("192.0.2.1", 9))
+            mine = s.getsockname()[0]
+        except OSError:
+            mine = None
+    assert raynode.route_ip("192.0.2.1:6379") == mine
+    linux = Hardware(chip="x", memory_gb=8.0, os="linux", cores=2, ip=None)
+    cmd = raynode.start_command(["--address=10.0.0.2:6379"], {}, {}, linux, node_ip="10.0.0.9")
+    assert cmd[cmd.index("--node-ip-address") + 1] == "10.0.0.9"
+    assert raynode._node_ip(linux, "10.0.0.9") == "10.0.0.9"
+    mac = Hardware(chip="m2", memory_gb=8.0, os="macos", cores=8, ip="10.0.0.7")
+    assert raynode._node_ip(mac, "10.0.0.9") == "10.0.0.7"      # a Mac: its en0/en1 address
+
+
+def test_listening_ports_from_proc_and_from_lsof():
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+        mine = raynode.listening([os.getpid()])
+    assert {"process": Path(f"/proc/{os.getpid()}/comm").read_text().strip(), "pid": os.getpid(),
+            "address": "127.0.0.1", "port": port} in mine
+    assert raynode._proc_address("00000000") == "*"
+    assert raynode._proc_address("0B0012C6") == "198.18.0.11"
+    assert raynode._proc_address("00000000000000000000000000000000") == "*"
+    # what `lsof -F pcn` prints on a Mac
+    lsof = "p501\ncgcs_server\nf12\nn*:6379\np502\ncraylet\nf30\nn10.0.0.7:41000\nf31\nn[::1]:41001\n"
+    assert raynode.listening([501, 502], platform="darwin",
+                             run=lambda *a, **k: subprocess.CompletedProcess(a, 0, lsof, "")) == [
+        {"process": "gcs_server", "pid": 501, "address": "*", "port": 6379},
+        {"process": "raylet", "pid": 502, "address": "10.0.0.7", "port": 41000},
+        {"process": "raylet", "pid": 502, "address": "::1", "port": 41001}]
 
 
 # ------------------------------------------------------------------ a real fleet
@@ -304,7 +381,8 @@ def test_ray_start_command_on_a_mac():
     cmd = raynode.start_command(["--address=10.0.0.2:6379"], {"segctl_node:studio": 1}, labels, mac)
     assert cmd[cmd.index("--node-ip-address") + 1] == "10.0.0.7" and "--block" in cmd
     assert cmd[cmd.index("--labels") + 1] == ("segctl.name=studio,segctl.chip=m2-max,"
-                                              "segctl.memory_gb=24,segctl.os=macos,rack=b2")
+                                              "segctl.memory_gb=24,segctl.os=macos,"
+                                              "segctl.max_trials=1,rack=b2")
     linux = Hardware(chip="x", memory_gb=8.0, os="linux", cores=2, ip=None)
     assert "--node-ip-address" not in raynode.start_command(["--head"], {}, {}, linux)
     with pytest.raises(RuntimeError, match="LAN address"):

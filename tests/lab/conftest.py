@@ -30,11 +30,12 @@ def _skip_unless_possible() -> None:
 
 
 @pytest.fixture(scope="module")
-def lab():
-    """A lab of HOSTS hosts for one test module, taken down after it whatever the
-    tests did (a lab that cannot come up fails the tests, with up's one line)."""
+def lab(request):
+    """A lab of HOSTS hosts (or the module's LAB_HOSTS) for one test module, taken
+    down after it whatever the tests did (a lab that cannot come up fails the
+    tests, with up's one line)."""
     _skip_unless_possible()
-    made = lablib.up(HOSTS)
+    made = lablib.up(getattr(request.module, "LAB_HOSTS", HOSTS))
     try:
         yield made
     finally:
