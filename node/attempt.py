@@ -16,6 +16,7 @@ that died left behind count as failed ("abandoned") when the next agent starts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -146,8 +147,13 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
         outcome, message = "cancelled", "cancelled"
     elif code == ev.EXIT_OK and end is not None:
         outcome, message = "succeeded", ""
+        adapter = _read_files(out, ("adapters.safetensors", "adapter_config.json"))
+        # what leaves this node, by digest, in the attempt's own telemetry: the head's
+        # copy (`segctl gather`) can be checked against it
+        send_events([{"event": "adapter", "seq": seq, "time": time.time(),
+                      "sha256": {n: hashlib.sha256(b).hexdigest() for n, b in adapter.items()}}])
         result.update(final_loss=end.get("final_loss"), val_loss=end.get("val_loss"),
-                      adapter=_read_files(out, ("adapters.safetensors", "adapter_config.json")))
+                      adapter=adapter)
     elif code == ev.EXIT_OOM:
         outcome, message = "oom", err["message"] if err else "memory budget crossed"
     elif code == ev.EXIT_BAD_INPUT:

@@ -47,6 +47,22 @@ def local_model(path: str, cache: Path, *, manifest: Callable[[str], list[tuple[
     dest = cache / key
     if (dest / "config.json").is_file():
         return str(dest)
+    with _fetching(dest):   # attempts starting together on this node fetch it once
+        return _fetch_folder(path, files, key, cache, dest, chunk)
+
+
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_MU = threading.Lock()
+
+
+def _fetching(dest: Path) -> threading.Lock:
+    with _LOCKS_MU:
+        return _LOCKS.setdefault(str(dest), threading.Lock())
+
+
+def _fetch_folder(path: str, files, key: str, cache: Path, dest: Path, chunk) -> str:
+    if (dest / "config.json").is_file():   # fetched while this one waited
+        return str(dest)
     private_dir(cache)
     tmp = cache / f".{key}.tmp-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -174,6 +174,34 @@ def down(root: Path | str = LAB_ROOT) -> None:
         _down(root)
 
 
+def restart_host(lab: Lab, name: str) -> Host:
+    """Boot host `name` again after a power-off (every process in it killed, its
+    sshd too, so its /run, /dev/shm and mount namespace went with them; its
+    disk, home and /tmp, stay): a fresh sshd as `up` starts one, in the same
+    network namespace. Returns the host with its new sshd, which lab.json and
+    `lab.hosts` now record. Refuses while anything still runs in the host."""
+    with _locked(lab.root):
+        state = _read_state(lab.root)
+        i = next((k for k, h in enumerate(state["hosts"]) if h["name"] == name), None)
+        if i is None:
+            raise LabError(f"no host {name!r} in the lab at {lab.root}")
+        old = _host_from(state["hosts"][i])
+        if _host_pids(old):
+            raise LabError(f"{name} is still running (processes {_host_pids(old)}); power it off first")
+        etc = lab.root / name / "etc"
+        (etc / "sshd.pid").unlink(missing_ok=True)     # the dead sshd's
+        for log in ("boot.log", "sshd.log"):            # the last boot's, kept aside
+            if (etc / log).exists():
+                os.replace(etc / log, etc / f"{log}.1")
+        fresh = Host(**{**asdict(old), "sshd_pid": None, "sshd_started": None})
+        _start_sshd(lab.root, fresh)
+        new = _wait_sshd(lab.root, fresh)
+        state["hosts"][i] = _host_record(new)
+        _write_state(lab.root, state)
+    lab.hosts[:] = [new if h.name == name else h for h in lab.hosts]
+    return new
+
+
 def load(root: Path | str = LAB_ROOT) -> Lab | None:
     """The lab recorded at `root` (made by this or another process), or None."""
     root = Path(root).resolve()
