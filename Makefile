@@ -9,7 +9,7 @@ DEMO    ?= demo
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 RUN     := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) PYTHONPATH=$(CURDIR)
 
-.PHONY: demo test install openblas sshd clean
+.PHONY: demo test test-fast install openblas sshd clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,10 @@ demo: install
 
 test: install
 	$(RUN) $(BIN)/python -m pytest -q
+
+# The inner loop: everything but Ray fleets, the lab and the model-family walk.
+test-fast: install
+	$(RUN) $(BIN)/python -m pytest -q -m "not fleet and not slow"
 
 clean:
 	rm -rf $(VENV) $(DEMO) .pytest_cache

@@ -9,7 +9,7 @@
 - ingest: step rows per second through the collector, both the stores' write
   path alone and through the running head actor over Ray (batches as agents send).
 
-Targets (issue 3): dispatch < 1 s, makespan <= 1.15x ideal, >= 50,000 rows/s.
+Targets: dispatch < 1 s, makespan <= 1.15x ideal, >= 50,000 rows/s.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ One local Ray node per class (budget GB each), `segctl init-demo`'s model. Rows:
   predicted / measured - 1, max and mean of |error| over those that fit;
 - point: each of those held-out points.
 
-Target (issue 5): held-out peak error <= 10%.
+Target: held-out peak error <= 10%.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and points off it in one process (engine/probe.py, what a tune runs on a node),
 fit on the grid (orchestrator/measured.py) and print how far its predictions of
 the off-grid points are from their measured peaks. No fleet: for the H200, where
-only the engine runs (../shared/GPU.md).
+only the engine runs (bench/README.md says how the GPU rows were made).
 
     python -m bench.tune_fit --layers 28 --dim 1024 --vocab 151936 --dtype bfloat16 \
         --grid-lens 1024,2048,4096,8192 --grid-sizes 1,2,4,8 \

@@ -4,7 +4,7 @@
 - grad_checkpoint: the same loss with every layer recomputed under `mx.checkpoint`
   in the backward, as mlx-lm's `--grad-checkpoint` does, but wrapped per call
   instead of patching the layer class for the whole process.
-- segmented (`segment_size=N`): ../shared/ENGINE.md. The forward keeps only the
+- segmented (`segment_size=N`): docs/engine.md. The forward keeps only the
   segment boundaries; a token-chunked head gives the loss and d(loss)/d(last
   boundary); the backward recomputes each segment under `mx.vjp` in reverse. Peak
   memory follows one segment instead of the whole stack.

@@ -5,7 +5,7 @@ before anything runs, and the segment size a node's budget allows.
 engine/attention.py, engine/train.py): the weights and the LoRA optimizer state
 for the whole step, the segment boundaries, and on top of them the largest of the
 transients (a layer's forward, one loss-head chunk, one segment's backward). The
-multipliers are fitted to the engine's own measured peaks on this CPU
+multipliers are fitted to the engine's own measured peaks on a 2-core x86-64 CPU
 (`python -m bench.planner_fit`, rows in bench/results/planner-cpu.jsonl) so that
 every measured row sits at or under its prediction (ratios 1.05-1.47 there).
 

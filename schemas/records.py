@@ -1,7 +1,7 @@
 """What the fleet records and passes around: trial states, attempt outcomes, the
 plan of an attempt, and the messages between the head and a node agent.
 
-The state machine (../shared/DESIGN.md):
+The state machine (docs/design.md):
 
     PENDING -> PLACED -> RUNNING -> SUCCEEDED
                              |-> OOM        -> PENDING (smaller segment size)

@@ -15,6 +15,21 @@ ROOT = Path(__file__).resolve().parent.parent
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
+# `make test-fast` (the inner loop) leaves out what starts Ray fleets or a lab, and
+# the walk over every model family; `make test` runs everything.
+FLEET_MODULES = {"test_fleet.py", "test_fleet_e2e.py", "test_tune_fleet.py", "test_embedded.py"}
+SLOW_MODULES = {"test_families.py"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.name in FLEET_MODULES or "lab" in path.parent.parts[-1:]:
+            item.add_marker(pytest.mark.fleet)
+        elif path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 def cli_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
