@@ -62,6 +62,11 @@ class NodeAgent:
                     head.checkpoint.remote(spec.attempt, step, files), timeout=CALL_TIMEOUT_S),
                 on_started=lambda pid, t: head.started.remote(spec.attempt, pid, t),
                 model_dir=self._model_dir, running=running)
+        except BaseException:
+            # the attempt ends with this error (the head out of reach, a full disk):
+            # its engine too, or it would train on beside the trial's next attempt
+            running.cancel()
+            raise
         finally:
             with self.lock:
                 self.running.pop(spec.attempt, None)

@@ -132,7 +132,9 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
             # Telemetry up to the checkpoint first, then the checkpoint: a resume
             # elsewhere never restarts from a step whose rows the head lacks.
             flush()
-            send_checkpoint(event["step"], _read_files(Path(event["path"])))
+            files = _checkpoint_files(Path(event["path"]))
+            if files is not None:   # None: pruned by the engine already, a newer one follows
+                send_checkpoint(event["step"], files)
         elif len(batch) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
             flush()
     code = proc.wait()
@@ -220,6 +222,19 @@ def start_worker(args: list[str], cwd: Path, running: Running, python: str):
         "utf-8", "replace").splitlines()[-20:]), daemon=True)
     drain.start()
     return proc, stderr, drain
+
+
+def _checkpoint_files(folder: Path) -> dict[str, bytes] | None:
+    """A checkpoint folder's files; None when the engine has pruned it already (it
+    keeps its newest few, and the agent fell behind while the head was slow or out
+    of reach), or pruned it while it was read."""
+    try:
+        files = _read_files(folder)
+        if sorted(p.name for p in folder.iterdir()) == sorted(files):
+            return files
+    except FileNotFoundError:
+        pass
+    return None
 
 
 def _read_files(folder: Path, names=None) -> dict[str, bytes]:

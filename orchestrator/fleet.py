@@ -146,6 +146,7 @@ def connect(spec, *, start: bool = True) -> dict:
             return info
         ray.shutdown()
     _use_token(info["token_path"])
+    _ray_messages_to_stderr()
     try:
         ray.init(address=info["address"], namespace=NAMESPACE, log_to_driver=False,
                  logging_level=logging.WARNING)
@@ -378,6 +379,22 @@ def _use_token(token_path: str) -> None:
     os.environ.update(ray_env(token_path))
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _ray_messages_to_stderr() -> None:
+    """Ray prints what the GCS tells a driver ("(raylet) The node ... has been marked
+    dead") on the driver's stdout, log_to_driver or not: sent to stderr instead, so
+    a command's stdout (`--json`) holds only what segctl prints."""
+    from ray._private import worker
+
+    show = worker.print_to_stdstream
+    if getattr(show, "to_stderr", False):
+        return
+
+    def to_stderr(data, ignore_prefix):
+        show({**data, "is_err": True}, ignore_prefix)
+    to_stderr.to_stderr = True
+    worker.print_to_stdstream = to_stderr
 
 
 def _running(record: dict) -> bool:

@@ -413,13 +413,23 @@ class Controller:
                         fitting.append((n, plan))
             if not fitting:
                 continue   # it fits somewhere busy: wait for room there
-            # the least loaded node first (spread, then stack), then the fastest plan
-            node, plan = max(fitting, key=lambda np: (-len(self.held.get(np[0].name, {})),
+            # the least loaded node first (spread, then stack), then the fastest plan; a
+            # trial whose last attempt broke on a node (lost, or its agent failed: a full
+            # disk) goes to another one where it can, or that node takes every retry
+            broke = self._broke_on(t)
+            node, plan = max(fitting, key=lambda np: (np[0].name != broke,
+                                                      -len(self.held.get(np[0].name, {})),
                                                       np[1].segment_size, -np[0].memory_gb))
             self.dispatch(t, node, plan, knobs.get("margin", DEFAULT_MARGIN), solo)
             if not self.takes_work(node):
                 free.remove(node)
             live += 1
+
+    def _broke_on(self, t) -> str | None:
+        """The node trial `t`'s last attempt ended on as lost or with its agent failing."""
+        a = self.state.one("SELECT outcome, node FROM attempts WHERE trial = ? "
+                           "ORDER BY id DESC LIMIT 1", (t["id"],))
+        return a["node"] if a and a["outcome"] in ("node_lost", "agent_error") else None
 
     def _shared_oom(self, t) -> bool:
         """Whether trial `t`'s last attempt ran out of memory under less than its

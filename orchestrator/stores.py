@@ -249,6 +249,14 @@ class Stores:
         a head that crashed and prunes what an older segctl left of sealed attempts."""
         with self._lock:
             path = self.root / sr.STAGING_DB
+            if write and not self._writer and self._con is not None:
+                # A connection opened to read (the head's reseal asks is_sealed first)
+                # holds SQLite's POSIX locks on these files, and private_file below
+                # opening and closing them would drop every lock this process has
+                # there: a reader closing elsewhere would then think itself the last
+                # one and delete the WAL under the writer. Start the writer afresh.
+                self._con.close()
+                self._con = None
             if self._con is None:
                 if not write and not path.exists():
                     return None
