@@ -329,8 +329,6 @@ def _write_host(root: Path, h: Host) -> str:
     # sshd's StrictModes: the home and ~/.ssh must not be writable by others
     ssh_dir = _private(h.home / ".ssh")
     shutil.copy(root / "id_ed25519.pub", ssh_dir / "authorized_keys")
-    for shared in _shared_under_home():   # mount points of the boot script
-        (h.home / shared.relative_to(ROOT_HOME)).mkdir(parents=True, exist_ok=True)
     key = (etc / "ssh_host_ed25519_key.pub").read_text().split()[:2]
     return f"{h.name},{h.address} {' '.join(key)}\n"
 
@@ -409,12 +407,13 @@ shift 8
 mount -n -t tmpfs -o mode=0755 lab-run /run
 mkdir -m 0755 /run/sshd
 mount -n -t tmpfs -o mode=1777 lab-shm /dev/shm
-mount -n --bind "$tmp" /tmp
 while [ $# -gt 1 ]; do
+  mkdir -p "$2"
   mount -n --bind "$1" "$2"
   mount -n -o remount,bind,ro "$2"
   shift 2
 done
+mount -n --rbind "$tmp" /tmp
 mount -n --rbind "$home" "$roots_home"
 mount -n --bind "$hosts" /etc/hosts
 hostname "$name"
@@ -431,8 +430,7 @@ def _start_sshd(root: Path, h: Host) -> None:
                            capture_output=True, text=True, env=_unthreaded_env())
     if check.returncode != 0:
         raise LabError(f"{h.name}: sshd refuses its config: {_last_line(check.stderr)}")
-    pairs = [str(p) for shared in _shared_under_home()
-             for p in (shared, h.home / shared.relative_to(ROOT_HOME))]
+    pairs = [str(p) for src, dst in _shared_software(h) for p in (src, dst)]
     argv = ["setsid", "-f", "ip", "netns", "exec", h.netns,
             "unshare", "--mount", "--uts", "--propagation", "private", "--",
             "sh", "-c", _BOOT, f"lab-{h.name}", str(SSHD), h.name, str(h.home), str(ROOT_HOME),
@@ -466,14 +464,20 @@ def _wait_sshd(root: Path, h: Host) -> Host:
         time.sleep(0.05)
 
 
-def _shared_under_home() -> list[Path]:
-    """The software a host needs that lives under root's home (and so would be
-    hidden by the host's own): the repo, its venv and the Python the venv was
-    made from (pyenv's), outermost folders only."""
+def _shared_software(h: Host) -> list[tuple[Path, Path]]:
+    """(folder, where the host sees it) for the software a host needs that lives
+    where the host has its own folder: under root's home or under /tmp (a fresh
+    clone there), hidden otherwise. The repo, its venv and the Python the venv
+    was made from (pyenv's), outermost folders only: bound into the host's own
+    home and tmp folders before those cover /root and /tmp."""
     python = (VENV / "bin" / "python").resolve()
     found = {p.resolve() for p in (REPO, VENV, python.parent.parent)}
-    under = sorted(p for p in found if ROOT_HOME in p.parents)
-    return [p for p in under if not any(q in p.parents for q in under)]
+    out = []
+    for hidden, into in ((ROOT_HOME, h.home), (Path("/tmp"), h.home.parent / "tmp")):
+        under = sorted(p for p in found if hidden in p.parents)
+        out += [(p, into / p.relative_to(hidden)) for p in under
+                if not any(q in p.parents for q in under)]
+    return out
 
 
 # ------------------------------------------------------------------ internals: down

@@ -166,6 +166,9 @@ def engine_line(e: dict) -> str:
         return f"{when}   end: final loss {f(e['final_loss'])}, val loss {f(e['val_loss'])}"
     if kind == "error":
         return f"{when}   error ({e['kind']}): {e['message']}"
+    if kind == "adapter":   # what the node sent, so the stored adapter can be checked against it
+        return f"{when}   adapter sent: " + ", ".join(
+            f"{name} sha256 {digest[:12]}" for name, digest in sorted(e["sha256"].items()))
     if kind == "phase":
         top = max(e["phases"], key=lambda p: p[1]) if e["phases"] else ("-", 0)
         return f"{when}   phases of step {e['step']}: highest {top[1]:.3f} GB at {top[0]}"
