@@ -425,17 +425,19 @@ class Controller:
                 free.remove(node)
             live += 1
 
+    def _last_attempt(self, t):
+        return self.state.one("SELECT outcome, budget_gb, node FROM attempts WHERE trial = ? "
+                              "ORDER BY id DESC LIMIT 1", (t["id"],))
+
     def _broke_on(self, t) -> str | None:
         """The node trial `t`'s last attempt ended on as lost or with its agent failing."""
-        a = self.state.one("SELECT outcome, node FROM attempts WHERE trial = ? "
-                           "ORDER BY id DESC LIMIT 1", (t["id"],))
+        a = self._last_attempt(t)
         return a["node"] if a and a["outcome"] in ("node_lost", "agent_error") else None
 
     def _shared_oom(self, t) -> bool:
         """Whether trial `t`'s last attempt ran out of memory under less than its
         node's whole budget (sharing it): the prediction it was held to was low."""
-        a = self.state.one("SELECT outcome, budget_gb, node FROM attempts WHERE trial = ? "
-                           "ORDER BY id DESC LIMIT 1", (t["id"],))
+        a = self._last_attempt(t)
         node = self.nodes.get(a["node"]) if a else None
         return bool(a and a["outcome"] == "oom" and node and a["budget_gb"] is not None
                     and a["budget_gb"] < node.memory_gb)
@@ -681,7 +683,7 @@ def _check_payload(payload: dict) -> None:
     file or plan into state.db. Raises ValueError with one line."""
     import re
 
-    from schemas.limits import MAX_SWEEP_NAME_CHARS, NAME_PATTERN
+    from schemas.limits import MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN
     name = payload.get("name")
     if not isinstance(name, str) or len(name) > MAX_SWEEP_NAME_CHARS or not re.fullmatch(
             NAME_PATTERN, name):
@@ -691,7 +693,8 @@ def _check_payload(payload: dict) -> None:
         try:
             JobSpec.model_validate(t["job"])
             planner.ModelInfo.from_dict(t["model_info"])
-            if not re.fullmatch(NAME_PATTERN, str(t["name"])) or len(f"{name}-{t['name']}") > 64:
+            if not re.fullmatch(NAME_PATTERN, str(t["name"])) or \
+                    len(f"{name}-{t['name']}") > MAX_NAME_CHARS:
                 raise ValueError(f"trial name {str(t['name'])[:80]!r} is not a plain name")
         except Exception as e:
             raise ValueError(f"trial {str(t.get('name'))[:80]!r}: {_one_line(e)}") from None

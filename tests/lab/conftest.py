@@ -5,6 +5,7 @@ be made (not root, not Linux, no sshd, no namespaces)."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,14 @@ def lab_machine():
     _skip_unless_possible()
     yield lablib.LAB_ROOT
     lablib.down(lablib.LAB_ROOT)
+
+
+def commands(pids: list[int]) -> list[str]:
+    """The command lines of `pids` (shortened), to say what a host still runs."""
+    out = []
+    for p in pids:
+        try:
+            out.append(Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:120])
+        except OSError:
+            pass
+    return out

@@ -31,7 +31,7 @@ import pytest
 from orchestrator import lab as lablib
 from tests.conftest import segctl
 
-from .conftest import ssh
+from .conftest import commands, ssh
 
 LAB_HOSTS = 5
 NODES = {"h2": "h2", "h3": "198.18.0.13", "h4": "root@h4"}   # name -> ssh target
@@ -187,7 +187,7 @@ def test_an_outsider_cannot_join(fleet):
     assert "InvalidAuthToken" in raw.stdout + raw.stderr, (raw.stdout[-2000:], raw.stderr[-2000:])
     h5 = lab.host("h5")
     # nothing of Ray runs there (once the ssh sessions have closed)
-    assert _wait(lambda: lablib.pids(h5) == [h5.sshd_pid]), _commands(lablib.pids(h5))
+    assert _wait(lambda: lablib.pids(h5) == [h5.sshd_pid]), commands(lablib.pids(h5))
     assert set(cluster_status(fleet)) == {"(head)", *NODES}
 
 
@@ -353,7 +353,7 @@ def test_cluster_down_leaves_only_sshd_on_every_host(fleet):
     for n in NODES:
         assert not (host_dir(lab, n) / "home/.segctl/here.json").exists(), n
     for h in lab.hosts:
-        assert lablib.pids(h) == [h.sshd_pid], (h.name, _commands(lablib.pids(h)))
+        assert lablib.pids(h) == [h.sshd_pid], (h.name, commands(lablib.pids(h)))
 
 
 # ------------------------------------------------------------------ a head of several addresses
@@ -388,7 +388,7 @@ def test_a_head_on_a_machine_of_several_addresses_advertises_the_fleets(lab, tmp
         down = segctl("cluster", "down", cluster, env=env, timeout=180)
     assert down.returncode == 0, down.stderr[-3000:]
     h5 = lab.host("h5")
-    assert lablib.pids(h5) == [h5.sshd_pid], _commands(lablib.pids(h5))
+    assert lablib.pids(h5) == [h5.sshd_pid], commands(lablib.pids(h5))
 
 
 # ------------------------------------------------------------------ helpers
@@ -437,16 +437,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind((lablib.BRIDGE_ADDRESS, 0))
         return s.getsockname()[1]
-
-
-def _commands(pids: list[int]) -> list[str]:
-    out = []
-    for p in pids:
-        try:
-            out.append(Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:120])
-        except OSError:
-            pass
-    return out
 
 
 def _wait(cond, timeout: float = 15.0) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 from node import raynode
 from orchestrator import lab as lablib
 
-from .conftest import HOSTS, run_in, ssh
+from .conftest import HOSTS, commands, run_in, ssh
 
 # Connects to every ADDRESS:PORT given and prints which answered: run inside a
 # host, it is that host's view of the network (no `ping` on this machine).
@@ -130,7 +130,7 @@ def test_ray_forms_one_cluster_across_two_hosts(lab):
             s["proc"].wait(timeout=10)
     # nothing of Ray outlives its `ray start` process: only each host's sshd is left
     for h in (h1, h2):
-        assert lablib.pids(h) == [h.sshd_pid], (h.name, _commands(lablib.pids(h)))
+        assert lablib.pids(h) == [h.sshd_pid], (h.name, commands(lablib.pids(h)))
 
 
 def _listening(address: str, port: int) -> bool:
@@ -145,11 +145,3 @@ def _log(lab, host) -> str:
     return (lab.root / host.name / "ray-start.log").read_text(errors="replace")[-2000:]
 
 
-def _commands(pids: list[int]) -> list[str]:
-    out = []
-    for p in pids:
-        try:
-            out.append(Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:120])
-        except OSError:
-            pass
-    return out
