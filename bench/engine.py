@@ -5,7 +5,9 @@
 
 The model is mlx-lm's own architecture at the given shape with random weights
 (hidden=dim, intermediate=3*dim, heads=dim//64, kv heads=max(1, dim//128),
-head_dim=64, tied embeddings), LoRA rank 8 scale 20 on every linear of every
+head_dim=64, tied embeddings, rope theta 1e6; --intermediate, --heads, --kv-heads,
+--head-dim, --no-tie, --rope-theta override them; --quantize 4 quantizes the base
+model first, QLoRA), LoRA rank 8 scale 20 on every linear of every
 layer, one sequence of --seq random tokens with the loss on its second half
 (mlx-lm's workload). `--impl mlx-lm` times mlx-lm's own trainer loss and step
 (`default_loss`, its compiled step, its class-level grad_checkpoint) on the same
@@ -42,18 +44,31 @@ from engine.data import Example, PreferenceExample
 from engine.demo import FAMILY_CONFIGS
 
 
-def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0):
+def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0, *,
+                intermediate: int | None = None, heads: int | None = None,
+                kv_heads: int | None = None, head_dim: int | None = None,
+                tie: bool | None = None, rope_theta: float | None = None, quantize: int = 0):
+    """The shape overrides (None: the defaults in the module docstring) apply to the
+    generic config only; gemma4_text and gemma3_text keep their own shapes.
+    quantize=BITS (0 = off) quantizes the base model, every Linear and the Embedding
+    (nn.quantize's default predicate, as mlx-lm's conversion does; group size 64),
+    after set_dtype and before the LoRA layers go on: QLoRA."""
     import importlib
     mod = importlib.import_module(f"mlx_lm.models.{arch}")
+    hd = 64 if head_dim is None else head_dim
     cfg = dict(model_type=arch, hidden_size=dim, num_hidden_layers=layers,
                intermediate_size=3 * dim, num_attention_heads=max(1, dim // 64),
-               num_key_value_heads=max(1, dim // 128), head_dim=64, rms_norm_eps=1e-6,
+               num_key_value_heads=max(1, dim // 128), head_dim=hd, rms_norm_eps=1e-6,
                vocab_size=vocab, max_position_embeddings=65536, rope_theta=1e6,
                tie_word_embeddings=True)
     if arch == "minicpm":
         cfg.update(scale_emb=12.0, dim_model_base=256, scale_depth=1.4)
     if arch in FAMILY_CONFIGS:  # the demo's twists (multipliers, soft-caps, layer types)
-        cfg.update(FAMILY_CONFIGS[arch](layers=layers, head_dim=64))
+        cfg.update(FAMILY_CONFIGS[arch](layers=layers, head_dim=hd))
+    overrides = dict(intermediate_size=intermediate, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, tie_word_embeddings=tie,
+                     rope_theta=rope_theta)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
     if arch == "gemma4_text":
         cfg = gemma4_config(layers, dim, vocab)
     if arch == "gemma3_text":
@@ -64,6 +79,8 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
         model.pop("lm_head")
         model.tie_word_embeddings = True
     model.set_dtype(getattr(mx, dtype))
+    if quantize:
+        nn.quantize(model, group_size=64, bits=quantize)
     mx.eval(model.parameters())
     mx.random.seed(seed + 1)
     apply_lora(model, rank=8, scale=20.0, dropout=0.0)
@@ -96,7 +113,13 @@ def gemma3_config(layers: int, dim: int, vocab: int) -> dict:
 
 
 def run(args) -> dict:
-    model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype)
+    model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype,
+                        intermediate=args.intermediate, heads=args.heads,
+                        kv_heads=args.kv_heads, head_dim=args.head_dim, tie=args.tie,
+                        rope_theta=args.rope_theta, quantize=args.quantize)
+    margs = getattr(model, "args", None)
+    # engine options newer than today's loss_and_grads: passed only when set
+    extra = {k: v for k, v in (("mlp_chunk", args.mlp_chunk), ("offload", args.offload)) if v}
     mx.random.seed(123)
     ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
     prompt_len = args.seq // 2
@@ -127,7 +150,7 @@ def run(args) -> dict:
             loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=args.head_chunk,
                                          attn_block=args.attn_block,
                                          grad_checkpoint=args.mode == "checkpoint",
-                                         parts=parts, on_phase=on_phase, **orpo)
+                                         parts=parts, on_phase=on_phase, **orpo, **extra)
             apply_grads(model, opt, grads, 1.0)
             mx.eval(state, loss)
             return loss
@@ -146,20 +169,39 @@ def run(args) -> dict:
         "impl": args.impl, "method": args.method, "mode": args.mode,
         "prefix_shared": args.prefix_shared if args.impl == "segctl" and orpo else None,
         "arch": args.arch, "layers": args.layers,
-        "dim": args.dim, "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
+        "dim": args.dim,
+        "intermediate": getattr(margs, "intermediate_size", None),
+        "heads": getattr(margs, "num_attention_heads", None),
+        "kv_heads": getattr(margs, "num_key_value_heads", None),
+        "head_dim": getattr(margs, "head_dim", None),
+        "tie": getattr(margs, "tie_word_embeddings", None),
+        "quantize": args.quantize,
+        "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
         "segment_size": args.segment_size if args.mode == "segmented" else None,
         "head_chunk": args.head_chunk if args.impl == "segctl" else None,
         "attn_block": args.attn_block if args.mode == "segmented" else None,
+        "mlp_chunk": (args.mlp_chunk or None) if args.impl == "segctl" else None,
+        "offload": (args.offload or None) if args.impl == "segctl" else None,
         "peak_gb": round(max(peaks), 4),
+        "tokens_per_gb": round(args.seq / max(peaks)) if max(peaks) > 0 else None,
         "step_s": round(statistics.median(times[1:] if len(times) > 1 else times), 4),
         "first_step_s": round(times[0], 4),
         "loss": round(losses[0], 4),
         "steps": args.steps,
         "device": str(mx.default_device()),
+        "device_name": _device_name(),
     }
     if args.phases:
         row["phases"] = [[label, round(p, 4)] for label, p in phases]
     return row
+
+
+def _device_name() -> str | None:
+    try:
+        info = mx.device_info()
+        return info.get("device_name") or info.get("architecture")
+    except Exception:
+        return None
 
 
 def _mlx_lm_step(model, optimizer, grad_ckpt: bool):
@@ -190,6 +232,16 @@ def parse(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3*dim)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default dim//64)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="K/V heads (default max(1, dim//128))")
+    p.add_argument("--head-dim", type=int, default=None, help="default 64")
+    p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
+                   help="tied embeddings (default: tied; Llama-3.1-8B is --no-tie)")
+    p.add_argument("--rope-theta", type=float, default=None, help="default 1e6")
+    p.add_argument("--quantize", type=int, default=0, metavar="BITS",
+                   help="quantize the base model to BITS before LoRA (QLoRA; 0 = off)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--steps", type=int, default=3)
@@ -203,6 +255,10 @@ def parse(argv=None):
     p.add_argument("--method", default="sft", choices=["sft", "orpo"])
     p.add_argument("--prefix-shared", action="store_true",
                    help="orpo: one pass over [prompt | chosen | rejected]")
+    p.add_argument("--mlp-chunk", type=int, default=0,
+                   help="segctl: MLP in chunks of this many rows (0 = off; passed only when set)")
+    p.add_argument("--offload", default=None, metavar="DIR",
+                   help="segctl: offload boundary activations to DIR (passed only when set)")
     p.add_argument("--phases", action="store_true", help="add per-phase peaks (segctl only)")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
     return p.parse_args(argv)

@@ -5,6 +5,13 @@ grad_checkpoint patches a class for the whole process), side by side in one run.
     python -m bench.suite h200 2048,8192 >> bench/results/h200.jsonl
     python -m bench.suite cpu-orpo | h200-orpo | cpu-gemma4 | h200-gemma4
     python -m bench.suite cpu-windows --baseline /tmp/segctl-before > bench/results/cpu-windows.jsonl
+    python -m bench.suite cpu-long  > bench/results/cpu-long.jsonl     # CPU scale (see LLAMA_CPU)
+    python -m bench.suite h200-long > bench/results/h200-long.jsonl    # Llama-3.1-8B QLoRA to 128K
+    python -m bench.suite mac 8192  > bench/results/mac.jsonl          # Apple Silicon, >= 32 GB
+
+The long plans (cpu-long, h200-long, mac) pass --mlp-chunk and --offload, which
+bench.engine hands to loss_and_grads only when set: on an engine without them
+those rows come back with "error", the others run.
 
 Each row is printed as it lands; a configuration that fails prints a row with
 "error" instead of stopping the suite. `--baseline DIR` (a checkout of another
@@ -23,6 +30,16 @@ import time
 
 CPU = dict(arch="qwen3", layers=8, dim=256, vocab=32000, dtype="float32", steps=3)
 QWEN3_06B = dict(arch="qwen3", layers=28, dim=1024, vocab=151936, dtype="bfloat16", steps=3)
+# Llama-3.1-8B's shape (untied, GQA 32/8 heads of 128), base model quantized to 4 bits:
+# QLoRA as Mac users run it.
+LLAMA_8B = dict(arch="llama", layers=32, dim=4096, intermediate=14336, heads=32, kv_heads=8,
+                head_dim=128, vocab=128256, tie=False, rope_theta=500000.0, quantize=4,
+                dtype="bfloat16", steps=2)
+# the same structure at CPU scale. MLX's CPU quantized matmul is ~100x slower than its
+# dense one (mlx 0.32: 512 x 512 -> 32000 takes 5.3 s against 0.06 s): ~75 s a step at
+# 2048 on 2 cores quantized, so the CPU rows keep the base weights in fp32.
+LLAMA_CPU = dict(arch="llama", layers=4, dim=512, intermediate=1792, heads=8, kv_heads=2,
+                 head_dim=64, vocab=32000, tie=False, quantize=0, dtype="float32", steps=2)
 
 COMPARE = [
     dict(impl="mlx-lm", mode="plain"),
@@ -80,7 +97,57 @@ GEMMA3_4B = dict(arch="gemma3_text", layers=34, dim=2560, vocab=262144, dtype="b
 WINDOWS = [dict(impl="mlx-lm", mode="checkpoint"),
            dict(impl="segctl", mode="segmented", segment_size=1, attn_block=2048, phases=True)]
 
+# Long context: mlx-lm's checkpointed step against ours with the MLP in row chunks
+# (mlp_chunk) and the segment boundaries offloaded to disk (offload).
+OFFLOAD_DIR = "/tmp/segctl-offload"
+MLX_CKPT = dict(impl="mlx-lm", mode="checkpoint")
+SEG_1K = dict(impl="segctl", mode="segmented", segment_size=1, attn_block=1024, phases=True)
+
+
+def _seg(mlp_chunk: int, offload: bool = False) -> dict:
+    return dict(SEG_1K, mlp_chunk=mlp_chunk, **({"offload": OFFLOAD_DIR} if offload else {}))
+
+
+def _cost(cfg: dict) -> float:
+    """Rough step FLOPs (matmuls + causal attention), to run the cheapest rows first;
+    offloading (disk traffic) sorts after the same row without it."""
+    d, n = cfg["dim"], cfg["layers"]
+    heads, kv = cfg.get("heads", max(1, d // 64)), cfg.get("kv_heads", max(1, d // 128))
+    hd, inter = cfg.get("head_dim", 64), cfg.get("intermediate", 3 * d)
+    per_layer = 2 * d * heads * hd + 2 * d * kv * hd + 3 * d * inter
+    L = cfg["seq"]
+    flops = 6 * L * (n * per_layer + cfg["vocab"] * d) + 6 * n * L * L * heads * hd
+    return flops * (1.01 if cfg.get("offload") else 1.0)
+
+
+def _by_cost(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=_cost)  # stable: ties keep their listed order
+
+
 PLANS = {
+    "cpu-long": _by_cost([dict(LLAMA_CPU, seq=seq, **c) for seq in (2048, 8192)
+                          for c in (MLX_CKPT, _seg(0), _seg(1024), _seg(1024, offload=True))]),
+    # What one lent H200 session of a few minutes measures, most wanted first.
+    "h200-long": [dict(LLAMA_8B, seq=8192, **MLX_CKPT), dict(LLAMA_8B, seq=8192, **_seg(4096)),
+                  dict(LLAMA_8B, seq=32768, **_seg(4096)),
+                  dict(LLAMA_8B, seq=32768, **_seg(4096, offload=True)),
+                  dict(QWEN3_06B, seq=65536, **_seg(4096), steps=1),
+                  dict(LLAMA_8B, seq=65536, **_seg(4096, offload=True), steps=1),
+                  dict(LLAMA_8B, seq=131072, **dict(_seg(4096, offload=True), attn_block=2048),
+                       steps=1)],
+    "h200-long-all": _by_cost(
+        [dict(LLAMA_8B, seq=seq, **MLX_CKPT) for seq in (8192, 16384)] +
+        [dict(LLAMA_8B, seq=seq, **_seg(m)) for seq in (8192, 16384, 32768) for m in (0, 4096)] +
+        [dict(LLAMA_8B, seq=seq, **_seg(4096, offload=True)) for seq in (32768, 65536, 131072)] +
+        [dict(QWEN3_06B, seq=32768, **MLX_CKPT)] +
+        [dict(QWEN3_06B, seq=seq, **_seg(4096)) for seq in (32768, 65536)] +
+        [dict(QWEN3_06B, seq=65536, **_seg(4096, offload=True))]),
+    # The h200-long rows that fit a Mac with 32 GB or more of unified memory. On Apple
+    # Silicon this runs on Metal as is (mlx's default device there).
+    "mac": _by_cost(
+        [dict(LLAMA_8B, seq=8192, **c) for c in (MLX_CKPT, _seg(4096))] +
+        [dict(LLAMA_8B, seq=32768, **c) for c in (_seg(4096), _seg(4096, offload=True))] +
+        [dict(QWEN3_06B, seq=32768, **c) for c in (MLX_CKPT, _seg(4096))]),
     "cpu-orpo": [dict(CPU, seq=1024, **c) for c in ORPO_COMPARE + ORPO_PLAIN],
     "cpu-gemma4": [dict(GEMMA4_CPU, seq=1024, **c) for c in GEMMA4_COMPARE],
     # (mlx-lm-lora plain and segment size 2 two-branch are in h200-orpo-v0-densemask.jsonl)
@@ -106,13 +173,21 @@ PLANS = {
 }
 
 
+# bench.engine flags that are argparse.BooleanOptionalAction: False renders --no-FLAG
+# (elsewhere False means "leave the flag out").
+NEGATABLE = {"tie"}
+
+
 def argv_of(cfg: dict) -> list[str]:
     out = []
     for k, v in cfg.items():
         flag = "--" + k.replace("_", "-")
         if v is True:
             out.append(flag)
-        elif v is not False:
+        elif v is False:
+            if k in NEGATABLE:
+                out.append("--no-" + k.replace("_", "-"))
+        else:
             out += [flag, str(v)]
     return out
 

@@ -1,18 +1,15 @@
-"""Attention under block masks (prefix-shared rows, sliding windows), and a layer
-backward whose attention holds one block of queries' scores at a time.
+"""Attention under block masks (prefix-shared rows, sliding windows), and its
+backward one block of query rows at a time.
 
 MLX's attention backward materialises the whole [H, L, L] score matrix and its
 gradient for a layer: at 16K tokens that one transient is ~27 GB on a
-Qwen3-0.6B shape, far above everything else the segmented step keeps. The score
-blocks cannot be bounded inside one vjp (arrays evaluated while a transform
-traces keep their graphs), so a layer's backward runs in two passes:
-
-1. record: vjp of the layer with attention swapped for a function that records
-   its q, k, v (and sinks) and the incoming cotangent dO (and passes zeros back);
-2. outside any transform, dq, dk, dv are computed one block of `block` query
-   rows at a time, each block evaluated (and its scores freed) before the next;
-   a block of causal attention needs only the keys up to its last row;
-3. replay: vjp of the layer again, attention now handing back those dq, dk, dv.
+Qwen3-0.6B shape, far above everything else the segmented step keeps.
+`blocked_grads` computes dq, dk, dv outside any transform, one block of `block`
+query rows at a time, each block evaluated (and its scores freed) before the
+next; a block of causal attention needs only the keys up to its last row.
+engine/layer.py runs a layer's backward around it (the layer's vjp cannot
+evaluate anything inside), and `eager_blocks` evaluates a forward's blocks one
+by one.
 
 The swap replaces the `scaled_dot_product_attention` name that mlx-lm's model
 modules call, only inside `swapped_sdpa`, and restores it on exit: nothing leaks
@@ -48,11 +45,21 @@ the blocked backward returns their gradient too.
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+
+# MLX on CUDA keeps one cuDNN attention graph per shape in a small cache (256
+# forward, 64 backward) and stops the process when it thrashes. Blocked attention
+# calls one shape per block (rows [i, i + block) over keys [0, i + block)): 128
+# at 128K tokens in blocks of 1024, the same in every layer. Room for them all
+# (until the process's first attention call reads these; a user's own setting wins).
+for _var in ("MLX_CUDA_SDPA_CACHE_SIZE", "MLX_CUDA_SDPA_BACKWARD_CACHE_SIZE"):
+    os.environ.setdefault(_var, "2048")
 
 
 @dataclass(frozen=True)
@@ -131,8 +138,11 @@ def attend(q, k, v, scale, mask, sinks=None):
     """Attention of q over k, v under `mask`, a BlockMask included."""
     if not isinstance(mask, BlockMask):
         return _sdpa(q, k, v, scale, mask, sinks)
-    outs = [_sdpa(q[:, :, i:j], _gather(k, ranges), _gather(v, ranges), scale, m, sinks)
-            for i, j, ranges, m in mask.parts(0, q.shape[2])]
+    outs = []
+    for i, j, ranges, m in mask.parts(0, q.shape[2]):
+        outs.append(_sdpa(q[:, :, i:j], _gather(k, ranges), _gather(v, ranges), scale, m, sinks))
+        if _EAGER[0]:
+            mx.eval(outs[-1])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
@@ -171,30 +181,6 @@ def _gather(x, ranges):
     return mx.concatenate([x[:, :, a:b] for a, b in ranges], axis=2)
 
 
-def layer_vjp(layer, fn, primals: list, cotangents: list, block: int) -> list:
-    """mx.vjp(fn, primals, cotangents)[1] for a function `fn` that runs `layer` once,
-    with the layer's attention backward taken in blocks of `block` query rows.
-    `fn` must draw the same dropout masks on every call (the step seeds per layer)."""
-    box: dict = {}
-    with _swapped(layer, _recording(box)):
-        _, cots = mx.vjp(fn, primals, cotangents)
-    if "q" not in box:  # no attention was swapped, so the record pass is the plain vjp
-        return cots
-    mx.eval(box["q"], box["k"], box["v"], box["sinks"], box["d_out"])
-    grads = _blocked_grads(box["q"], box["k"], box["v"], box["d_out"], box["mask"],
-                           box["scale"], block, box["sinks"])
-    box.clear()
-    with _swapped(layer, _replaying(grads)):
-        _, cots = mx.vjp(fn, primals, cotangents)
-    return cots
-
-
-@contextmanager
-def _swapped(layer, make):
-    with swapped_sdpa([layer], make):
-        yield
-
-
 @contextmanager
 def swapped_sdpa(layers, make):
     """Within the block, the model modules of `layers` call make(their sdpa)."""
@@ -214,58 +200,33 @@ def _check(cache):
         raise ValueError("block masks and the blockwise attention backward take no cache")
 
 
-def _recording(box):
-    def record(primals, cotangent, mask, scale):
-        q, k, v, *sinks = primals
-        box.update(q=q, k=k, v=v, sinks=sinks[0] if sinks else None, d_out=_first(cotangent),
-                   mask=mask, scale=scale)
-        return tuple(mx.zeros_like(x) for x in primals)
-    return _with_vjp(record)
-
-
-def _replaying(grads):
-    return _with_vjp(lambda primals, cotangent, mask, scale: grads)
-
-
-def _with_vjp(backward):
-    """make(original sdpa) -> an sdpa with the fused forward and `backward` as its
-    vjp, for the calls whose gradient flows through q, k, v (and sinks) only.
-    Other calls keep the original and its own autodiff, in the record and the
-    replay pass alike, so the layer's gradient stays exact: a cache, or an
-    additive float mask (mlx-lm's MLA passes its position scores as the mask,
-    and those carry gradients to the layer's weights)."""
-    def make(original):
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            if not _blockable(cache, mask):
-                return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                                sinks=sinks)
-
-            @mx.custom_function
-            def attn(q, k, v, *sink):
-                return attend(q, k, v, scale, mask, *sink)
-
-            @attn.vjp
-            def attn_vjp(primals, cotangent, output):
-                return backward(primals, cotangent, mask, scale)
-
-            # Sinks go in as an input so that their gradient is exact too.
-            return attn(queries, keys, values, *([] if sinks is None else [sinks]))
-        return sdpa
-    return make
-
-
-def _blockable(cache, mask) -> bool:
+def blockable(cache, mask) -> bool:
+    """Whether a call's gradient flows through q, k, v (and sinks) only, so that its
+    backward can be taken in blocks: not with a cache, nor with an additive float
+    mask (mlx-lm's MLA passes its position scores as the mask, and those carry
+    gradients to the layer's weights); such calls keep MLX's own autodiff."""
     if cache is not None:
         return False
     return mask is None or isinstance(mask, (str, BlockMask)) or (
         isinstance(mask, mx.array) and mask.dtype == mx.bool_)
 
 
-def _first(x):
-    return x[0] if isinstance(x, (list, tuple)) else x
+_EAGER = [False]
 
 
-def _blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None):
+@contextmanager
+def eager_blocks():
+    """Within the block (outside any transform), `attend` evaluates each block of
+    rows before the next: a GPU queue would otherwise allocate every block's
+    scores before freeing the first."""
+    saved, _EAGER[0] = _EAGER[0], True
+    try:
+        yield
+    finally:
+        _EAGER[0] = saved
+
+
+def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None):
     L, S = q.shape[2], k.shape[2]
     dq_blocks = []
     dk = mx.zeros(k.shape, dtype=mx.float32)

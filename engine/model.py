@@ -59,6 +59,7 @@ class ModelParts:
     call: Callable[..., tuple]                  # (i, h, mask, extra=None, shared_kv=None) -> (h, kv)
     prefix: str = "model.layers"                # the layers' parameter names start so
     block_masks: list[bool] | None = None       # per layer: attention takes a BlockMask
+    tokenwise: list[list[str]] | None = None    # per layer: its token-wise children (engine/layer.py)
 
 
 def load_model(path: str | Path):
@@ -164,6 +165,7 @@ def model_parts(model: nn.Module, *, name: str = "model", check: bool = True,
         parts.prefix = "language_model.model.layers"
     if run_layers:  # not on a model built from config.json alone (check_family)
         parts.block_masks = _block_mask_layers(parts, inner.embed_tokens.weight.shape[0])
+        parts.tokenwise = _tokenwise_layers(parts, inner.embed_tokens.weight.shape[0])
     if check:
         _check_parts(model, parts, name, mtype, length, inner.embed_tokens.weight.shape[0])
     return parts
@@ -308,6 +310,29 @@ def _block_mask_layers(parts: ModelParts, vocab: int) -> list[bool]:
         if kind not in verdict:
             verdict[kind] = takes_block_masks(layer) and _same_with_block_mask(
                 parts, i, ids, BlockMask, block_mask_sdpa, swapped_sdpa)
+        out.append(verdict[kind])
+    return out
+
+
+def _tokenwise_layers(parts: ModelParts, vocab: int) -> list[list[str]]:
+    """Per layer, the children engine/layer.py may run a chunk of rows at a time:
+    checked once per layer class, on the embedding of a few tokens."""
+    from .layer import tokenwise_children
+
+    verdict: dict[type, list[str]] = {}
+    out = []
+    for i, layer in enumerate(parts.layers):
+        kind = type(layer)
+        if kind not in verdict:
+            dim = parts.embed(mx.array([[1]])).shape[-1]
+
+            def run_layer(h, i=i):
+                extra = parts.layer_inputs(mx.array([[(5 * t + 1) % vocab for t in range(
+                    h.shape[1])]]), h)[i]
+                return parts.call(i, h.astype(parts.embed(mx.array([[1]])).dtype), "causal",
+                                  extra, None)[0]
+            verdict[kind] = [] if parts.donors[i] is not None else \
+                tokenwise_children(layer, run_layer, dim)
         out.append(verdict[kind])
     return out
 

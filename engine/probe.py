@@ -50,6 +50,7 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
                 m = measured_step(model, optimizer, example, parts=parts, step=step,
                                   budget=spec.budget_gb, segment_size=segment_size,
                                   head_chunk=spec.head_chunk, attn_block=spec.attn_block,
+                                  mlp_chunk=spec.mlp_chunk,
                                   grad_checkpoint=False, grad_clip=1.0, method=method)
             except OOMError as e:
                 fits, message = False, str(e)

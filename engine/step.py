@@ -34,7 +34,7 @@ and handed to the producer as extra cotangents next to dh.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -46,6 +46,8 @@ from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
+from .layer import eager, layer_vjp
+from .offload import Boundaries
 from .data import Example, PreferenceExample
 from .model import ModelParts, model_parts
 
@@ -64,7 +66,8 @@ def plan_segments(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
 
 
 def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_size: int,
-                   head_chunk: int = 512, attn_block: int = 0, grad_checkpoint: bool = False,
+                   head_chunk: int = 512, attn_block: int = 0, mlp_chunk: int = 0,
+                   offload: str | None = None, grad_checkpoint: bool = False,
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
                    parts: ModelParts | None = None, on_phase: PhaseHook | None = None,
@@ -77,7 +80,11 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     `metrics["prefix_shared"]` says which ran. DPO first runs its reference
     forward (phase "ref"). attn_block (segmented only): when the sequence is
     longer, each layer's attention backward walks blocks of this many query rows
-    (engine/attention.py). `metrics`, when given, receives the step's preference
+    (engine/attention.py). mlp_chunk (segmented only): when the sequence is
+    longer, each layer's token-wise sublayers (its MLP) run this many rows at a
+    time, forward and backward (engine/layer.py). offload (segmented only): a
+    folder where the boundaries wait between the forward and the backward
+    instead of memory (engine/offload.py). `metrics`, when given, receives the step's preference
     figures (ORPO: margin, accuracy, log_odds, nll; DPO: margin, accuracy,
     chosen_reward, rejected_reward).
     """
@@ -90,7 +97,7 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
         loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
     else:
         loss, grads, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
-                                       on_phase)
+                                       mlp_chunk, offload, on_phase)
     if metrics is not None:
         metrics.update(plan.report(sums))
     return loss, grads
@@ -490,10 +497,11 @@ class _Forward:
     masks: list
     extras: list
     kv: dict            # donor K/V that later segments read
-    boundaries: list
+    boundaries: Boundaries  # each segment's input, in memory or on disk
 
 
-def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phase):
+def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chunk, offload,
+               on_phase):
     phase = on_phase or (lambda label: None)
     layers = parts.layers
     segments = plan_segments(len(layers), segment_size)
@@ -507,48 +515,60 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, on_phas
     # then the head: each read row's log p and d(log p)/dh, chunk by chunk.
     forwards, heads = [], []
     sums = 0
-    for stream, tag in zip(plan.streams, tags):
-        with _positions(parts, stream):
-            fwd = _forward(parts, stream, segments, base_seed, phase, tag,
-                           attn_block if 0 < attn_block < len(stream.ids) else 0)
-        logp, g = _head_pass(parts, fwd.boundaries.pop(), stream, head_chunk)
-        phase(f"{tag}head")
-        forwards.append(fwd)
-        heads.append(g)
-        sums = sums + stream.member.T @ logp
+    with ExitStack() as scratch:  # boundaries on disk go at the end, whatever happens
+        for stream, tag in zip(plan.streams, tags):
+            fwd = _Forward([], [], {}, scratch.enter_context(Boundaries(offload)))
+            with _positions(parts, stream):
+                top = _forward(parts, stream, segments, base_seed, phase, tag,
+                               attn_block if 0 < attn_block < len(stream.ids) else 0,
+                               _pieces(mlp_chunk, stream), fwd)
+            logp, g = _head_pass(parts, top, stream, head_chunk)
+            del top
+            phase(f"{tag}head")
+            forwards.append(fwd)
+            heads.append(g)
+            sums = sums + stream.member.T @ logp
 
-    # The loss is a function of a few sums: its gradient scales each row's g.
-    loss, w = mx.value_and_grad(plan.loss)(sums)
-    mx.eval(loss, w, sums)
+        # The loss is a function of a few sums: its gradient scales each row's g.
+        loss, w = mx.value_and_grad(plan.loss)(sums)
+        mx.eval(loss, w, sums)
 
-    grads: dict = {}
-    for k, (stream, fwd, tag) in enumerate(zip(plan.streams, forwards, tags)):
-        g, heads[k] = heads[k], None  # this branch's head gradients live on only in dh
-        dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
-        del g
-        blocked = 0 < attn_block < len(stream.ids)
-        with _positions(parts, stream):
-            _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
-                      base_seed, phase, tag)
-        forwards[k] = fwd = None  # its donor K/V go before the next branch's backward
+        grads: dict = {}
+        for k, (stream, fwd, tag) in enumerate(zip(plan.streams, forwards, tags)):
+            g, heads[k] = heads[k], None  # this branch's head gradients live on only in dh
+            dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
+            del g
+            blocked = 0 < attn_block < len(stream.ids)
+            with _positions(parts, stream):
+                _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
+                          _pieces(mlp_chunk, stream), base_seed, phase, tag)
+            fwd.boundaries.close()
+            forwards[k] = fwd = None  # its donor K/V go before the next branch's backward
     mx.random.seed(base_seed + len(layers))
     return loss, {n: grads[n] for n in names}, sums
 
 
-def _forward(parts, stream, segments, seed, phase, tag, rows) -> _Forward:
+def _pieces(chunk: int, stream: Stream) -> int:
+    return chunk if 0 < chunk < len(stream.ids) else 0
+
+
+def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forward) -> mx.array:
+    """Fill `fwd` with the stream's masks, extra inputs, donor K/V and each segment's
+    input boundary; return the last layer's output."""
     # A boundary evaluated outside any transform is a graph-free leaf, so each
     # segment's activations die with it.
-    h, masks, extras = _embed(parts, stream, rows)
+    h, fwd.masks, fwd.extras = _embed(parts, stream, rows)
+    masks, extras = fwd.masks, fwd.extras
     mx.eval(h, extras)
-    fwd = _Forward(masks, extras, {}, [h])
     for k, (lo, hi) in enumerate(segments):
-        h, produced = _run(parts, lo, hi, h, masks, extras, fwd.kv, seed)
+        fwd.boundaries.append(h)
+        with eager(parts.layers, parts.tokenwise or [], chunk):
+            h, produced = _run(parts, lo, hi, h, masks, extras, fwd.kv, seed)
         for d in _exports(parts, lo, hi):
             fwd.kv[d] = produced[d]
         mx.eval(h, fwd.kv)
-        fwd.boundaries.append(h)
         phase(f"{tag}fwd{k}")
-    return fwd
+    return h
 
 
 def _exports(parts, lo, hi) -> list[int]:
@@ -613,33 +633,34 @@ def _place(stream: Stream, rows_grad: mx.array) -> mx.array:
     return mx.zeros((L, D), rows_grad.dtype).at[mx.array(stream.rows)].add(rows_grad)[None]
 
 
-def _backward(parts, fwd, segments, params, dh, grads, block, seed, phase, tag):
+def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase, tag):
     """Recompute each segment under vjp with the incoming cotangents, last first."""
     dkv: dict = {}  # donor -> (dK, dV) summed over the sharers seen so far
     for k in reversed(range(len(segments))):
         lo, hi = segments[k]
         h_in = fwd.boundaries.pop()
-        if not block:
-            dh = _unit_vjp(parts, fwd, lo, hi, h_in, fwd.kv, dh, dkv, params, grads, seed, 0)
+        if not block and not chunk:
+            dh = _unit_vjp(parts, fwd, lo, hi, h_in, fwd.kv, dh, dkv, params, grads, seed, 0, 0)
         else:
-            # One layer at a time (each with blockwise attention): recompute the
+            # One layer at a time (each in pieces, engine/layer.py): recompute the
             # segment's layer inputs and the K/V of its own donors first.
             xs, kv = [h_in], dict(fwd.kv)
             for i in range(lo, hi - 1):
-                h, produced = _run(parts, i, i + 1, xs[-1], fwd.masks, fwd.extras, kv, seed)
+                with eager(parts.layers, parts.tokenwise or [], chunk):
+                    h, produced = _run(parts, i, i + 1, xs[-1], fwd.masks, fwd.extras, kv, seed)
                 kv.update(produced)
                 mx.eval(h, produced)
                 xs.append(h)
             for i in reversed(range(lo, hi)):
                 dh = _unit_vjp(parts, fwd, i, i + 1, xs.pop(), kv, dh, dkv, params, grads,
-                               seed, block)
+                               seed, block, chunk)
         if k == 0:
             dh = None  # no LoRA on the embedding
         mx.eval(dh, dkv, [grads[name] for i in range(lo, hi) for name, _, _, _ in params[i]])
         phase(f"{tag}bwd{k}")
 
 
-def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block):
+def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block, chunk):
     """vjp of layers [lo, hi): inputs h and the donor K/V they import, outputs h and
     the K/V of their donors that later layers read (cotangents waiting in dkv)."""
     imports, exports = _imports(parts, lo, hi), [d for d in range(lo, hi) if d in dkv]
@@ -655,9 +676,9 @@ def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block)
 
     primals = [h_in, *[t for d in imports for t in kv[d]], *values]
     cotangents = [dh, *[t for d in exports for t in dkv.pop(d)]]
-    if block:
-        from .attention import layer_vjp
-        cots = layer_vjp(parts.layers[lo], fn, primals, cotangents, block)
+    if block or chunk:
+        cots = layer_vjp(parts.layers[lo], parts.tokenwise[lo] if parts.tokenwise else [],
+                         fn, primals, cotangents, block, chunk)
     else:
         _, cots = mx.vjp(fn, primals, cotangents)
     _set_params(parts.layers, seg, values)  # drop the tracers from the modules

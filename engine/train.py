@@ -91,6 +91,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   trainable_params=n_trainable))
 
     budget = job.memory.budget_gb
+    # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
+    scratch = str(out / "scratch") if job.memory.offload == "disk" and seg else None
     method = method_options(job)
     t_run = time.perf_counter()
     loss = val = None
@@ -102,7 +104,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         mx.random.seed(job.train.seed * 1_000_003 + step)
         m = measured_step(model, optimizer, example, parts=parts, step=step, budget=budget,
                           segment_size=seg, head_chunk=job.memory.head_chunk,
-                          attn_block=job.memory.attn_block,
+                          attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
+                          offload=scratch,
                           grad_checkpoint=job.memory.grad_checkpoint,
                           grad_clip=job.train.grad_clip, method=method)
         loss = m.loss.item()
@@ -126,6 +129,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
             path = save_checkpoint(out, step, model, optimizer, adapter_config, job.train.seed)
             emit(ev.Checkpoint(time=clock(), step=step, path=str(path)))
 
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)  # empty: its files were unlinked at birth
     adapter = save_adapter(out, model)
     emit(ev.End(time=clock(), step=total, adapter=str(adapter), final_loss=loss, val_loss=val,
                 seconds=time.perf_counter() - t_run))
@@ -189,7 +194,8 @@ class MeasuredStep:
 
 def measured_step(model, optimizer, example, *, parts, step: int, budget: float | None,
                   segment_size: int, head_chunk: int, attn_block: int, grad_checkpoint: bool,
-                  grad_clip: float | None, method: dict) -> MeasuredStep:
+                  grad_clip: float | None, method: dict, mlp_chunk: int = 0,
+                  offload: str | None = None) -> MeasuredStep:
     """One optimizer step under the memory guard, with each phase's own peak: the
     peak counter restarts at every phase boundary, so a phase's figure is what it
     alone needed (a plan's measured memory model is fitted phase by phase).
@@ -209,7 +215,8 @@ def measured_step(model, optimizer, example, *, parts, step: int, budget: float 
     tic = time.perf_counter()
     metrics: dict = {}
     loss, grads = loss_and_grads(model, example, segment_size=segment_size, head_chunk=head_chunk,
-                                 attn_block=attn_block, grad_checkpoint=grad_checkpoint,
+                                 attn_block=attn_block, mlp_chunk=mlp_chunk, offload=offload,
+                                 grad_checkpoint=grad_checkpoint,
                                  parts=parts, on_phase=on_phase, metrics=metrics, **method)
     grad_norm = apply_grads(model, optimizer, grads, grad_clip)
     del grads

@@ -83,6 +83,14 @@ class MemorySpec(Strict):
     attn_block: int = Field(2048, ge=0, le=MAX_TOKENS,
                             description="segmented: on rows longer than this, attention backward "
                                         "in blocks of this many query rows; 0 = off")
+    mlp_chunk: int = Field(4096, ge=0, le=MAX_TOKENS,
+                           description="segmented: on rows longer than this, each layer's MLP "
+                                       "runs this many rows at a time, forward and backward; "
+                                       "0 = off")
+    offload: Literal["none", "disk"] = Field(
+        "none", description="segmented: where segment boundaries wait for the backward: "
+                            "none = memory, disk = a scratch file beside the attempt's "
+                            "output, removed at step end (long rows on a tight budget)")
     budget_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB,
                                        description="stop with an oom error past this peak")
 
@@ -94,6 +102,13 @@ class MemorySpec(Strict):
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             return v
         raise ValueError(f"expected a whole number >= 0 or 'auto', got {v!r}")
+
+    @model_validator(mode="after")
+    def _offload_needs_segments(self):
+        if self.offload == "disk" and self.segment_size == 0:
+            raise ValueError("offload: disk keeps segment boundaries on disk; segment_size 0 "
+                             "(plain autodiff) has none: use segment_size >= 1 or auto")
+        return self
 
 
 class TelemetrySpec(Strict):

@@ -109,6 +109,7 @@ class ProbeSpec(BaseModel):
     lora: LoraSpec = LoraSpec()
     head_chunk: int = 512
     attn_block: int = 2048
+    mlp_chunk: int = 4096
     budget_gb: float
     points: list[tuple[int, int]]    # (seq_len, segment_size), measured in this order
     steps: int = Field(3, ge=1, description="steps per point; the first is not timed")

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.base import create_attention_mask
 
 from engine import Example, loss_and_grads
-from engine.attention import BlockMask, _blocked_grads, attend, default_rows
+from engine.attention import BlockMask, blocked_grads, attend, default_rows
 from engine.data import PreferenceExample
 from engine.model import model_parts
 from engine.step import eval_loss
@@ -145,7 +145,7 @@ def test_blocked_grads_equal_autodiff_under_the_dense_mask(split):
             # autodiff through attend, and the blocked backward at several block sizes
             _, got = mx.vjp(lambda a, b, c, *t: [attend(a, b, c, 0.3, bm, *t)],
                             [q, k, v, *extra], [d_out])
-            blocked = [_blocked_grads(q, k, v, d_out, bm, 0.3, block, s) for block in (1, 7, 16)]
+            blocked = [blocked_grads(q, k, v, d_out, bm, 0.3, block, s) for block in (1, 7, 16)]
             for g in [got, *blocked]:
                 assert len(g) == len(ref)
                 for a, b in zip(g, ref):

@@ -1,0 +1,142 @@
+"""Long rows: the MLP in chunks of rows and the boundaries on disk keep the step
+exact, take less memory, and leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from engine import Example, PreferenceExample, loss_and_grads
+from engine.layer import tokenwise_children
+from engine.model import model_parts
+from engine.train import OOMError
+from tests.conftest import random_lora
+from tests.test_step import lora_model, random_example, worst_rel_error
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_mlp_chunks_and_offload_equal_plain(tiny_models, arch, tmp_path):
+    model = lora_model(tiny_models[arch])
+    parts = model_parts(model)
+    assert all(names == ["mlp"] for names in parts.tokenwise)
+    ex = random_example(model.args.vocab_size, n=41, prompt_len=13)
+    loss0, ref = loss_and_grads(model, ex, segment_size=0)
+    # chunks that divide the row and that do not, alone and with attention blocks
+    for seg, block, chunk, offload in ((1, 0, 8, None), (2, 0, 7, None), (1, 16, 13, None),
+                                       (3, 7, 5, tmp_path), (5, 0, 40, tmp_path)):
+        loss, grads = loss_and_grads(model, ex, segment_size=seg, attn_block=block,
+                                     mlp_chunk=chunk, offload=offload, parts=parts)
+        assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
+        assert worst_rel_error(grads, ref) <= TOL, (arch, seg, block, chunk)
+    assert os.listdir(tmp_path) == []
+
+
+def test_offload_is_bit_identical_to_memory_two_branch(tiny_models, tmp_path):
+    model = lora_model(tiny_models["qwen3"])
+    ids = mx.random.randint(1, model.args.vocab_size, (60,), key=mx.random.key(4)).tolist()
+    ex = PreferenceExample(ids[:20], ids[20:40], ids[40:])
+    kw = dict(method="orpo", segment_size=1, attn_block=16, mlp_chunk=9)
+    loss, grads = loss_and_grads(model, ex, **kw)
+    loss_d, grads_d = loss_and_grads(model, ex, offload=str(tmp_path / "scratch"), **kw)
+    assert loss.item() == loss_d.item()
+    assert all(mx.array_equal(grads[k], grads_d[k]).item() for k in grads)
+    assert os.listdir(tmp_path / "scratch") == []
+
+
+def test_a_step_that_fails_midway_leaves_no_scratch_file(tiny_models, tmp_path):
+    model = lora_model(tiny_models["qwen3"])
+    ex = random_example(model.args.vocab_size, n=41)
+    seen = []
+
+    def phase(label):
+        seen.append(len(os.listdir(f"/proc/{os.getpid()}/fd")))
+        if label == "bwd2":
+            raise OOMError("budget crossed", 1.0)
+    with pytest.raises(OOMError):
+        loss_and_grads(model, ex, segment_size=1, offload=str(tmp_path), on_phase=phase)
+    assert os.listdir(tmp_path) == []
+    # the unlinked file's descriptor was open during the step and is closed now
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) < max(seen)
+
+
+def _phase_peaks(model, ex, **kw):
+    out = {}
+
+    def phase(label):
+        out[label] = mx.get_peak_memory() / 1e6
+        mx.reset_peak_memory()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    loss_and_grads(model, ex, on_phase=phase, **kw)
+    return out
+
+
+def test_mlp_chunks_bound_the_layer_and_offload_the_boundaries(tmp_path):
+    """On a wide-MLP model the forward of a layer and its backward hold one chunk's
+    MLP activations; with the boundaries on disk the forward's peak stops growing
+    with depth."""
+    from bench.engine import bench_model
+    model = bench_model("qwen3", 12, 128, 512, "float32")
+    ex = Example(mx.random.randint(1, 512, (2048,), key=mx.random.key(1)).tolist(), 1024)
+    parts = model_parts(model, check=False)
+    base = dict(segment_size=1, attn_block=256, parts=parts)
+    whole = _phase_peaks(model, ex, mlp_chunk=0, **base)
+    cut = _phase_peaks(model, ex, mlp_chunk=256, **base)
+    disk = _phase_peaks(model, ex, mlp_chunk=256, offload=str(tmp_path), **base)
+    fwd = lambda p: max(v for k, v in p.items() if k.startswith("fwd"))
+    bwd = lambda p: max(v for k, v in p.items() if k.startswith("bwd"))
+    assert fwd(cut) < 0.8 * fwd(whole), (fwd(cut), fwd(whole))
+    assert bwd(cut) < 0.8 * bwd(whole), (bwd(cut), bwd(whole))
+    # boundaries of 2048 x 128 fp32 (1 MB each): in memory each forward phase
+    # holds one more; on disk the tenth holds what the second did
+    growth = lambda p: p["fwd11"] - p["fwd1"]
+    assert growth(cut) > 8 and growth(disk) < 1, (cut, disk)
+
+
+class _Mixer(nn.Module):
+    """Not token-wise: each row's output reads the rows before it."""
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def __call__(self, x):
+        return mx.cumsum(self.proj(x), axis=1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.mlp = _Mixer(dim)
+        self.ffn = nn.Linear(dim, dim)
+
+    def __call__(self, x):
+        return x + self.mlp(x) + self.ffn(x) + self.ffn(x)
+
+
+def test_only_row_wise_children_called_once_are_cut():
+    layer = _Layer(16)
+    # mlp mixes rows; ffn is row-wise but called twice
+    assert tokenwise_children(layer, layer, 16) == []
+    layer.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    assert tokenwise_children(layer, layer, 16) == ["mlp"]
+
+
+def test_lora_dropout_keeps_the_mlp_whole(tiny_models):
+    """A chunk would draw other dropout masks than the whole row: with dropout on,
+    the MLP is not cut, so the step is the one without chunks, draw for draw."""
+    from engine.model import load_model
+    model, _ = load_model(tiny_models["qwen3"])
+    mx.random.seed(0)
+    random_lora(model, dropout=0.3)
+    ex = random_example(model.args.vocab_size, n=41)
+    mx.random.seed(5)
+    loss0, ref = loss_and_grads(model, ex, segment_size=1)
+    mx.random.seed(5)
+    loss, grads = loss_and_grads(model, ex, segment_size=1, mlp_chunk=8)
+    assert loss.item() == loss0.item()
+    assert all(mx.array_equal(grads[k], ref[k]).item() for k in ref)

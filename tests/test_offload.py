@@ -1,0 +1,175 @@
+"""engine/offload.py: segment boundaries in memory or in an unlinked scratch file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+
+from engine.offload import Boundaries, OffloadError, check_folder
+from tests.conftest import ROOT, cli_env
+
+UNSIGNED = {2: mx.uint16, 4: mx.uint32}
+
+
+def hidden(L, D, dtype, seed):
+    h = mx.random.normal((1, L, D), key=mx.random.key(seed)).astype(dtype)
+    if L >= 4:  # values whose bits an arithmetic compare would hide
+        h[0, :4, 0] = mx.array([float("nan"), float("inf"), -0.0, -float("inf")]).astype(dtype)
+    mx.eval(h)
+    return h
+
+
+def same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    u = UNSIGNED[a.dtype.size]
+    assert mx.array_equal(a.view(u), b.view(u)).item()
+    assert mx.array_equal(a, b, equal_nan=True).item()
+
+
+def stack_of_entries():
+    specs = [(17, 8, mx.float32), (64, 32, mx.bfloat16), (5, 3, mx.float16),
+             (128, 16, mx.bfloat16), (1, 1, mx.float32), (33, 7, mx.float16)]
+    return [hidden(L, D, dt, seed) for seed, (L, D, dt) in enumerate(specs)]
+
+
+@pytest.fixture(params=["memory", "disk"])
+def folder(request, tmp_path):
+    return None if request.param == "memory" else tmp_path / "scratch"
+
+
+def test_round_trip_is_bit_exact_and_last_first(folder):
+    arrays = stack_of_entries()
+    with Boundaries(folder) as b:
+        for h in arrays:
+            b.append(h)
+        assert len(b) == len(arrays)
+        same_bits(b[-1], arrays[-1])
+        same_bits(b[0], arrays[0])
+        assert len(b) == len(arrays)  # reading leaves the entries in place
+        for h in reversed(arrays):
+            got = b.pop()
+            same_bits(got, h)
+        assert len(b) == 0
+        with pytest.raises(IndexError):
+            b.pop()
+
+
+def test_non_contiguous_input_round_trips(folder):
+    t = mx.random.normal((1, 12, 20), key=mx.random.key(7)).astype(mx.bfloat16)
+    h = t.transpose(0, 2, 1)[:, 3:17]  # [1, 14, 12], not row-contiguous
+    mx.eval(h)
+    with Boundaries(folder) as b:
+        b.append(h)
+        same_bits(b.pop(), mx.array(h))
+
+
+def test_disk_file_is_unlinked_and_shrinks_with_pops(tmp_path):
+    folder = tmp_path / "new" / "scratch"  # made on demand
+    with Boundaries(folder) as b:
+        assert folder.is_dir() and (folder.stat().st_mode & 0o777) == 0o700
+        assert os.listdir(folder) == []
+        sizes = [b.bytes_on_disk]
+        for h in stack_of_entries():
+            b.append(h)
+            sizes.append(b.bytes_on_disk)
+            assert os.listdir(folder) == []
+        assert sizes == sorted(sizes) and sizes[0] == 0
+        assert os.fstat(b._file.fileno()).st_size == sizes[-1]
+        while len(b):
+            b.pop()
+            sizes.pop()
+            assert b.bytes_on_disk == sizes[-1] == os.fstat(b._file.fileno()).st_size
+        assert b.bytes_on_disk == 0
+    assert Boundaries().bytes_on_disk == 0
+
+
+def test_close_is_idempotent_and_context_closes_on_error(folder):
+    b = Boundaries(folder)
+    b.append(hidden(4, 4, mx.float32, 0))
+    b.close()
+    b.close()
+    assert len(b) == 0 and b.bytes_on_disk == 0
+    with pytest.raises(ValueError):
+        b.append(hidden(4, 4, mx.float32, 0))
+    with pytest.raises(RuntimeError, match="boom"):
+        with Boundaries(folder) as b:
+            b.append(hidden(4, 4, mx.float16, 1))
+            raise RuntimeError("boom")
+    assert b._closed and b.bytes_on_disk == 0
+    if folder is not None:
+        assert os.listdir(folder) == []
+
+
+def test_sigkilled_process_leaves_no_file(tmp_path):
+    folder = tmp_path / "scratch"
+    script = textwrap.dedent(f"""
+        import sys, time
+        import mlx.core as mx
+        from engine.offload import Boundaries
+        b = Boundaries({str(folder)!r})
+        h = mx.ones((1, 256, 256), dtype=mx.bfloat16)
+        mx.eval(h)
+        b.append(h)
+        b.append(h)
+        print('ready', b.bytes_on_disk, flush=True)
+        time.sleep(60)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cli_env(),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().split()
+        assert line == ["ready", str(2 * 256 * 256 * 2)]
+        assert os.listdir(folder) == []
+        if os.path.isdir(f"/proc/{child.pid}/fd"):  # Linux: the file lives only as a deleted fd
+            targets = [os.readlink(f"/proc/{child.pid}/fd/{fd}")
+                       for fd in os.listdir(f"/proc/{child.pid}/fd")]
+            assert any("segctl-boundaries-" in t and t.endswith("(deleted)") for t in targets)
+    finally:
+        child.kill()  # SIGKILL
+        child.wait(timeout=10)
+        child.stdout.close()
+    assert child.returncode == -9
+    assert os.listdir(folder) == []
+
+
+def test_check_folder(tmp_path):
+    assert check_folder(tmp_path / "made") is None
+    assert os.listdir(tmp_path / "made") == []
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    reason = check_folder(not_a_dir / "sub")
+    assert reason is not None and "\n" not in reason and str(not_a_dir) in reason
+
+
+def test_full_disk_raises_offload_error(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tiny tmpfs")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", str(tiny)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {mounted.stderr.strip()}")
+    try:
+        with Boundaries(tiny) as b:
+            small = hidden(16, 16, mx.float32, 0)
+            b.append(small)
+            before = b.bytes_on_disk
+            with pytest.raises(OffloadError) as err:
+                b.append(mx.zeros((1, 1024, 1024), dtype=mx.float32))  # 4 MB
+            msg = str(err.value)
+            assert isinstance(err.value, OSError)
+            assert str(tiny) in msg and "memory.offload: none" in msg and "\n" not in msg
+            # The failed entry is gone and the stack still works.
+            assert len(b) == 1 and b.bytes_on_disk == before
+            b.append(small)
+            same_bits(b.pop(), small)
+            same_bits(b.pop(), small)
+        assert os.listdir(tiny) == []
+    finally:
+        subprocess.run(["umount", str(tiny)], check=True)
