@@ -2,6 +2,7 @@
 
     python -m bench.planner_fit > bench/results/planner-cpu.jsonl
     python -m bench.planner_fit --orpo      # the ORPO rows only
+    python -m bench.planner_fit --long > bench/results/planner-long-cpu.jsonl
 
 Each model is a small random one written by `engine.demo.write_model` (the
 vocabulary widened through the config, so ids beyond the toy tokenizer exist),
@@ -15,7 +16,9 @@ shape; ratio = predicted / measured, which the planner's constants keep >= 1.
 ORPO rows (`ORPO_MODELS`) run a preference row of a P-token prompt and two R-token
 responses, two-branch (`method` orpo, seq = P + R) and prefix-shared
 (orpo-shared, seq = P + 2R), against the same estimate with their method.
-A summary goes to stderr. About 2 minutes on two CPU cores.
+`--long` runs rows longer than their MLP chunk (`LONG_MODELS`: mlp_chunk, and
+the boundaries offloaded to disk). A summary goes to stderr. About 2 minutes on
+two CPU cores.
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ MODELS = [
      [(768, seg, 2048, False) for seg in (1, 3, 5)]),
     (("qwen3", 4, 128, 2000, "bfloat16"),
      [(512, seg, 2048, False) for seg in (1, 2, 4, 0)]),
+]
+
+# (arch, layers, hidden, vocab, dtype) -> long cases (seq, segment_size, attn_block, mlp_chunk,
+# offload): the MLP in chunks of rows, the boundaries on disk.
+LONG_MODELS = [
+    (("qwen3", 8, 64, 300, "float32"),
+     [(seq, seg, 512, chunk, off) for seq in (2048, 4096) for seg in (1, 2)
+      for chunk, off in ((0, False), (256, False), (256, True))]),
+    (("llama", 6, 128, 4000, "float32"),
+     [(seq, 1, 1024, chunk, off) for seq in (2048, 4096)
+      for chunk, off in ((0, False), (512, False), (512, True))]),
 ]
 
 # (arch, layers, hidden, vocab, dtype) -> ORPO cases (prompt P, response R, segment_size, method).
@@ -115,7 +129,8 @@ def preference_row(P: int, R: int, vocab: int, seed: int = 0) -> PreferenceExamp
 def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = ORPO_MODELS if "--orpo" in sys.argv else MODELS + ORPO_MODELS
+        models = (ORPO_MODELS if "--orpo" in sys.argv else LONG_MODELS if "--long" in sys.argv
+                  else MODELS + ORPO_MODELS)
         for (arch, layers, hidden, vocab, dtype), cases in models:
             folder = write_bench_model(Path(tmp) / f"{arch}-{layers}-{hidden}-{dtype}",
                                        arch, layers, hidden, vocab, dtype)
@@ -127,14 +142,22 @@ def main() -> None:
                 if isinstance(case[3], str):
                     rows.append(orpo_row(model, info, arch, layers, hidden, vocab, dtype, *case))
                     continue
-                seq, seg, attn_block, ckpt = case
+                if len(case) == 5:
+                    seq, seg, attn_block, chunk, off = case
+                    ckpt, long = False, dict(mlp_chunk=chunk)
+                    where = dict(offload=tempfile.mkdtemp(dir=tmp)) if off else {}
+                else:
+                    (seq, seg, attn_block, ckpt), long, where, off = case, {}, {}, False
                 tic = time.perf_counter()
                 measured = measure_peak_gb(model, random_row(seq, vocab), segment_size=seg,
-                                           attn_block=attn_block, grad_checkpoint=ckpt)
+                                           attn_block=attn_block, grad_checkpoint=ckpt,
+                                           **long, **where)
                 predicted = predict_gb(info, seq_len=seq, segment_size=seg, lora_rank=RANK,
-                                       attn_block=attn_block, grad_checkpoint=ckpt)
+                                       attn_block=attn_block, grad_checkpoint=ckpt, **long,
+                                       **(dict(offload=True) if off else {}))
                 row = dict(arch=arch, layers=layers, hidden=hidden, vocab=vocab, dtype=dtype,
-                           seq=seq, segment_size=seg, attn_block=attn_block,
+                           seq=seq, segment_size=seg, attn_block=attn_block, **long,
+                           **(dict(offload=True) if off else {}),
                            grad_checkpoint=ckpt, measured_gb=round(measured, 5),
                            predicted_gb=round(predicted, 5), ratio=round(predicted / measured, 3),
                            seconds=round(time.perf_counter() - tic, 2), info=info.to_dict())

@@ -92,7 +92,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
 
     budget = job.memory.budget_gb
     # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
-    scratch = str(out / "scratch") if job.memory.offload == "disk" and seg else None
+    # (auto reaches a node already decided: the head writes disk or none into the job)
+    scratch = str(out / "scratch") if job.memory.offload != "none" and seg else None
     method = method_options(job)
     t_run = time.perf_counter()
     loss = val = None

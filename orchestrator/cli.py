@@ -152,10 +152,10 @@ def train(job_file: Path, resume: bool, as_json: bool):
 
 
 def _resolve_auto(job, job_file):
-    """`segment_size: auto` under `segctl train`: plan against this machine's memory
-    (or memory.budget_gb when set), from this machine's `segctl tune` measurements
-    in $SEGCTL_HOME's stores when there are any."""
-    if job.memory.segment_size != "auto":
+    """`segment_size: auto` (or `offload: auto`) under `segctl train`: plan against
+    this machine's memory (or memory.budget_gb when set), from this machine's
+    `segctl tune` measurements in $SEGCTL_HOME's stores when there are any."""
+    if job.memory.segment_size != "auto" and job.memory.offload != "auto":
         return job
     from engine.data import DataError
     from node.probe import default_name, probe
@@ -173,12 +173,15 @@ def _resolve_auto(job, job_file):
     tuned = measured.models_of(measured.read_plan(stores_root(None), planner.model_key(info)))
     plan = planner.plan(info, job, seq_len=seq_len, budget_gb=budget,
                         measured=tuned.get(planner.tune_key(job, here)))
+    key = "segment_size" if job.memory.segment_size == "auto" else "offload"
     if not plan.fits:
-        _fail(f"{job_file}: memory.segment_size: auto: {plan.reason}")
-    click.echo(f"segment_size auto -> {plan.segment_size} (predicted peak {plan.predicted_gb:.2f} GB "
+        _fail(f"{job_file}: memory.{key}: auto: {plan.reason}")
+    disk = "disk" if plan.offload else "none"
+    click.echo(f"segment_size {job.memory.segment_size} -> {plan.segment_size}, offload "
+               f"{job.memory.offload} -> {disk} (predicted peak {plan.predicted_gb:.2f} GB "
                f"of {budget:g} GB, {plan.source})", err=True)
     return job.model_copy(update={"memory": job.memory.model_copy(
-        update={"segment_size": plan.segment_size})})
+        update={"segment_size": plan.segment_size, "offload": disk})})
 
 
 # ==================================================================== the fleet

@@ -540,6 +540,7 @@ class Controller:
         job = json.loads(t["job"])
         mem = job.setdefault("memory", {})
         mem["segment_size"] = plan.segment_size
+        mem["offload"] = "disk" if plan.offload else "none"
         mem["budget_gb"] = min(mem.get("budget_gb") or hold, hold)
         # Runnable since: the trial was pending and this node was free (the later).
         ready = max(t["runnable_since"], self.free_since.get(node.name, 0.0))

@@ -55,6 +55,10 @@ HEAD_COPIES = 3.6        # fp32 [tokens, vocab] matrices the head holds: logits,
 PLAIN_HEAD_EXTRA = 1.5   # more fp32 [L, vocab] copies in plain mode's unchunked cross-entropy
 HALF_BYTES = 2.75        # bytes an activation entry costs in a bf16/fp16 model (see _peak_bytes)
 TIME_TIE = 0.10          # measured step times this close count as equal (auto takes the larger size)
+DISK_GBPS = 2.0          # boundaries written and read back per second with memory.offload disk:
+                         # a Mac's SSD does several GB/s; the planner's time term is its cost
+STORED_OPS = 2           # [L, hidden]-sized values a layer's backward in pieces keeps besides
+                         # its attention inputs: the MLP's input and output
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _CONFIG_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -212,7 +216,8 @@ def method_key(job: JobSpec) -> str:
 
 def predict_gb(info: ModelInfo, *, seq_len: int, segment_size: int, lora_rank: int = 8,
                lora_layers: int = -1, head_chunk: int = 512, attn_block: int = 2048,
-               grad_checkpoint: bool = False, method: str = "sft") -> float:
+               grad_checkpoint: bool = False, method: str = "sft", mlp_chunk: int = 4096,
+               offload: bool = False) -> float:
     """Predicted peak GB of one training step on rows of up to `seq_len` tokens.
 
     Two maxima keep the answer usable for planning: a data set's longest row is
@@ -226,11 +231,21 @@ def predict_gb(info: ModelInfo, *, seq_len: int, segment_size: int, lora_rank: i
     if segment_size < 0:
         raise ValueError(f"segment_size must be >= 0, got {segment_size}")
     return _curve(info, seq_len, min(segment_size, info.n_layers), lora_rank, lora_layers,
-                  head_chunk, attn_block, grad_checkpoint, method)[-1]
+                  head_chunk, attn_block, grad_checkpoint, method, mlp_chunk, offload)[-1]
+
+
+def offload_seconds(info: ModelInfo, *, seq_len: int, segment_size: int,
+                    method: str = "sft") -> float:
+    """What memory.offload disk adds to a step: every boundary written once and read
+    back once, at DISK_GBPS."""
+    streams = 2 if method in ("orpo", "dpo") else 1
+    boundaries = streams * math.ceil(info.n_layers / max(segment_size, 1))
+    return 2 * boundaries * seq_len * info.hidden * info.act_bytes / (DISK_GBPS * GB)
 
 
 def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers: int,
-           head_chunk: int, attn_block: int, grad_checkpoint: bool, method: str) -> list[float]:
+           head_chunk: int, attn_block: int, grad_checkpoint: bool, method: str,
+           mlp_chunk: int = 4096, offload: bool = False) -> list[float]:
     """Predicted GB for segment sizes 1..top (index s-1), each at least the one
     before; [plain] when top is 0."""
     streams = {"sft": 1, "orpo-shared": 1, "orpo": 2, "dpo-shared": 1, "dpo": 2}.get(method)
@@ -242,10 +257,12 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
     lengths = [seq_len]
     if top and 0 < attn_block < seq_len - 1:
         lengths.append(attn_block + 1)  # the longest row the blocked backward leaves alone
+    if top and 0 < mlp_chunk < seq_len:
+        lengths.append(mlp_chunk)       # ... and the MLP's chunks
 
     def worst(s):
         return max(_peak_bytes(info, L, s, lora_rank, n_lora, head_chunk, attn_block,
-                               grad_checkpoint, streams)
+                               grad_checkpoint, streams, mlp_chunk, offload)
                    for L in lengths) / GB
 
     if top == 0:
@@ -273,7 +290,8 @@ def _lora_params(info: ModelInfo, rank: int, n_layers: int) -> int:
 
 
 def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_chunk: int,
-                attn_block: int, grad_checkpoint: bool, streams: int = 1) -> float:
+                attn_block: int, grad_checkpoint: bool, streams: int = 1,
+                mlp_chunk: int = 0, offload: bool = False) -> float:
     """Peak bytes of one step on a row of L tokens at segment size s (0: plain).
 
     ORPO two-branch (streams 2) keeps both branches' boundaries, dh and head
@@ -321,16 +339,30 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
 
     # Segmented: the n/s + 1 boundaries, dh and the head's pieces of it live
     # through the step; on top of them the largest of one layer's forward, one
-    # head chunk, and one segment's backward.
-    boundaries = streams * (math.ceil(n / s) + 3) * hidden_state
+    # head chunk, and one segment's backward. With the boundaries on disk, only
+    # the one a segment works on is in memory.
+    boundaries = streams * ((1 if offload else math.ceil(n / s)) + 3) * hidden_state
     head = min(head_chunk, L) * info.vocab * head_entry
-    if 0 < attn_block < L - 1:
-        # Blocked attention backward: the segment's layer inputs are kept, then one
-        # layer at a time runs its vjp with attention's q, k, v, dO recorded (and
+    pieces = 0 < attn_block < L - 1 or 0 < mlp_chunk < L
+    if 0 < mlp_chunk < L:
+        # The MLP runs mlp_chunk rows at a time, forward and backward: its share of
+        # a layer's activations is a chunk's; the layer's backward in pieces keeps
+        # the MLP's input, output and cotangents whole (engine/layer.py).
+        mlp = 4 * info.intermediate * a
+        width = width - L * mlp + mlp_chunk * mlp + STORED_OPS * hidden_state
+        layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * scores
+    if pieces:
+        # A layer's backward in pieces (blocked attention, MLP chunks): the segment's
+        # layer inputs are kept, then one layer at a time runs its passes with
+        # attention's q, k, v, dO recorded (and
         # fp32 dk, dv sums); attention holds one query block's scores or, in the
         # record and replay passes, its unfused forward's.
         qkv = L * (info.heads + 2 * info.kv_heads) * info.head_dim * (a + F32)
-        attention = max(FORWARD_SCORES * scores, BLOCK_SCORES * info.heads * attn_block * L * a)
+        if 0 < attn_block < L - 1:
+            attention = max(FORWARD_SCORES * scores,
+                            BLOCK_SCORES * info.heads * attn_block * L * a)
+        else:   # the MLP in chunks, attention whole under the layer's own vjp
+            attention = (SAVED_SCORES + BACKWARD_SCORES) * scores
         segment = s * hidden_state + (SAVED_WIDTH + TRANSIENT_WIDTH) * width + qkv + attention
     else:
         # The segment's s layers under one vjp, then the backward of each.
@@ -343,6 +375,30 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
 def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float,
          margin: float = DEFAULT_MARGIN,
          scale: float = 1.0, below: int | None = None, measured=None) -> Plan:
+    """The segment size (and, with memory.offload auto, whether the boundaries go to
+    disk) for `job` on a node with `budget_gb`; see `_plan`. auto keeps them in
+    memory where that fits and takes the disk only where it alone fits: the
+    disk costs time (`offload_seconds`), never memory."""
+    how = job.memory.offload
+    if how != "auto":
+        return _plan(info, job, seq_len=seq_len, budget_gb=budget_gb, margin=margin,
+                     scale=scale, below=below, measured=measured, offload=how == "disk")
+    kept = _plan(info, job, seq_len=seq_len, budget_gb=budget_gb, margin=margin, scale=scale,
+                 below=below, measured=measured, offload=False)
+    if kept.fits:
+        return kept
+    disk = _plan(info, job, seq_len=seq_len, budget_gb=budget_gb, margin=margin, scale=scale,
+                 below=below, measured=measured, offload=True)
+    if not disk.fits:
+        return kept
+    cost = offload_seconds(info, seq_len=seq_len, segment_size=disk.segment_size,
+                           method=method_key(job))
+    return disk.model_copy(update={"reason": f"offload auto: boundaries on disk (~{cost:.2g} s "
+                                             f"a step at {DISK_GBPS:g} GB/s); {disk.reason}"})
+
+
+def _plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float,
+          margin: float, scale: float, below: int | None, measured, offload: bool) -> Plan:
     """The segment size for `job` on a node with `budget_gb`: a fixed size as the job
     gives it; `auto`: the fastest that fits; `below` (after an OOM at that size): the
     fastest smaller one that fits. Fits when the prediction <= budget x (1 - margin).
@@ -353,6 +409,8 @@ def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float,
     probed size measured fastest; without, the largest size (the fewest recomputes)."""
     limit = budget_gb * (1 - margin)
     mem = job.memory
+    if offload:   # the probes kept their boundaries in memory: the estimate speaks here
+        measured = None
     gap = measured.gap(seq_len) if measured is not None else None
     use = measured if measured is not None and gap is None else None
     if use is not None:
@@ -366,7 +424,7 @@ def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float,
         if use is None:
             return [scale * gb for gb in _curve(
                 info, seq_len, top, job.lora.rank, job.lora.num_layers, mem.head_chunk,
-                mem.attn_block, mem.grad_checkpoint, method_key(job))]
+                mem.attn_block, mem.grad_checkpoint, method_key(job), mem.mlp_chunk, offload)]
         out: list[float] = []
         for size in range(1, max(top, 1) + 1):
             out.append(max(use.predict(seq_len, size) + _lora_delta_gb(info, job, use),
@@ -377,14 +435,15 @@ def plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float,
         if size == 0 and use is not None:   # plain autodiff is never probed
             return scale * _curve(info, seq_len, 0, job.lora.rank, job.lora.num_layers,
                                   mem.head_chunk, mem.attn_block, mem.grad_checkpoint,
-                                  method_key(job))[-1]
+                                  method_key(job), mem.mlp_chunk)[-1]
         return curve(min(size, info.n_layers))[-1]
 
     def answer(size: int, fits: bool, reason: str, gb: float | None = None) -> Plan:
         gb = predicted(size) if gb is None else gb
         return Plan(segment_size=size, predicted_gb=round(gb, 4), budget_gb=budget_gb,
                     fits=fits, reason=f"{reason}; {source}",
-                    source="measured" if use is not None and size else "analytic")
+                    source="measured" if use is not None and size else "analytic",
+                    offload=offload and size > 0)
 
     room = f"budget {budget_gb:g} GB less {margin:.0%} margin"
     if below is not None and below < 1:

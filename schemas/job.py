@@ -87,10 +87,11 @@ class MemorySpec(Strict):
                            description="segmented: on rows longer than this, each layer's MLP "
                                        "runs this many rows at a time, forward and backward; "
                                        "0 = off")
-    offload: Literal["none", "disk"] = Field(
+    offload: Literal["none", "disk", "auto"] = Field(
         "none", description="segmented: where segment boundaries wait for the backward: "
                             "none = memory, disk = a scratch file beside the attempt's "
-                            "output, removed at step end (long rows on a tight budget)")
+                            "output, removed at step end (long rows on a tight budget), "
+                            "auto = disk only where the planner finds memory too small")
     budget_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB,
                                        description="stop with an oom error past this peak")
 
@@ -105,8 +106,8 @@ class MemorySpec(Strict):
 
     @model_validator(mode="after")
     def _offload_needs_segments(self):
-        if self.offload == "disk" and self.segment_size == 0:
-            raise ValueError("offload: disk keeps segment boundaries on disk; segment_size 0 "
+        if self.offload != "none" and self.segment_size == 0:
+            raise ValueError(f"offload: {self.offload} keeps segment boundaries on disk; segment_size 0 "
                              "(plain autodiff) has none: use segment_size >= 1 or auto")
         return self
 

@@ -66,6 +66,7 @@ class Plan(BaseModel):
     fits: bool
     reason: str = ""
     source: str = "analytic"         # measured: from `segctl tune`'s probes; analytic: estimated
+    offload: bool = False            # boundaries on disk (memory.offload disk, or auto's choice)
 
 
 class NodeInfo(BaseModel):

@@ -234,13 +234,16 @@ def test_longest_row_is_the_engine_datasets_longest_example(demo_dir):
 
 # ---------------------------------------------------------------- against the engine
 
-@pytest.mark.parametrize("arch,seq,segment_size,attn_block", [
-    ("qwen3", 384, 1, 2048),   # one layer per segment
-    ("llama", 256, 5, 2048),   # the whole stack in one segment (sliding-window layers too)
-    ("qwen3", 512, 2, 128),    # blocked attention backward
-    ("minicpm", 256, 0, 2048),  # plain autodiff
+@pytest.mark.parametrize("arch,seq,segment_size,attn_block,mlp_chunk,offload", [
+    ("qwen3", 384, 1, 2048, 4096, False),   # one layer per segment
+    ("llama", 256, 5, 2048, 4096, False),   # the whole stack in one segment (sliding-window layers too)
+    ("qwen3", 512, 2, 128, 4096, False),    # blocked attention backward
+    ("minicpm", 256, 0, 2048, 4096, False),  # plain autodiff
+    ("qwen3", 512, 1, 128, 64, False),      # and the MLP in chunks of rows
+    ("llama", 512, 1, 2048, 100, True),     # MLP chunks, boundaries on disk
 ])
-def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_size, attn_block):
+def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_size, attn_block,
+                                             mlp_chunk, offload, tmp_path):
     """The engine's own step, measured as engine/train.py measures it."""
     from engine.model import apply_lora, load_model
     free_earlier_arrays()
@@ -249,6 +252,46 @@ def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_siz
     model, _ = load_model(tiny_models[arch])
     apply_lora(model, rank=8, scale=20.0, dropout=0.0)
     measured = measure_peak_gb(model, random_row(seq, info.vocab), segment_size=segment_size,
-                               attn_block=attn_block)
-    predicted = predict_gb(info, seq_len=seq, segment_size=segment_size, attn_block=attn_block)
+                               attn_block=attn_block, mlp_chunk=mlp_chunk,
+                               offload=str(tmp_path) if offload else None)
+    predicted = predict_gb(info, seq_len=seq, segment_size=segment_size, attn_block=attn_block,
+                           mlp_chunk=mlp_chunk, offload=offload)
     assert measured <= predicted <= 2 * measured, (measured, predicted)
+
+
+# ---------------------------------------------------------------- long rows
+
+LLAMA_8B = ModelInfo(model_type="llama", n_layers=32, hidden=4096, intermediate=14336, heads=32,
+                     kv_heads=8, head_dim=128, vocab=128256, weight_bytes=4_500_000_000,
+                     act_bytes=2)
+
+
+def test_mlp_chunks_and_offload_lower_long_rows_only():
+    at = dict(seq_len=32768, segment_size=1, attn_block=1024)
+    whole = predict_gb(LLAMA_8B, mlp_chunk=0, **at)
+    cut = predict_gb(LLAMA_8B, mlp_chunk=4096, **at)
+    disk = predict_gb(LLAMA_8B, mlp_chunk=4096, offload=True, **at)
+    assert disk < cut < whole
+    # 32 boundaries of 32K x 4096 bf16 stay on disk: ~8.6 GB of the difference
+    assert cut - disk == pytest.approx(31 * 32768 * 4096 * 2.75 / 1e9, rel=0.01)
+    # rows no longer than a chunk are planned as before
+    short = dict(seq_len=2048, segment_size=1, attn_block=1024)
+    assert predict_gb(LLAMA_8B, mlp_chunk=4096, **short) == predict_gb(LLAMA_8B, mlp_chunk=0,
+                                                                        **short)
+
+
+def test_offload_auto_takes_the_disk_only_where_memory_is_too_small():
+    at = dict(seq_len=32768)
+    kept = predict_gb(LLAMA_8B, segment_size=1, attn_block=2048, **at)
+    disk = predict_gb(LLAMA_8B, segment_size=1, attn_block=2048, offload=True, **at)
+    roomy = plan(LLAMA_8B, job(1, offload="auto"), budget_gb=kept / 0.8, **at)
+    assert roomy.fits and not roomy.offload
+    tight = plan(LLAMA_8B, job(1, offload="auto"), budget_gb=(kept + disk) / 2 / 0.85, **at)
+    assert tight.fits and tight.offload and tight.predicted_gb == pytest.approx(disk, abs=1e-3)
+    assert tight.reason.startswith("offload auto: boundaries on disk (~")
+    never = plan(LLAMA_8B, job(1, offload="none"), budget_gb=(kept + disk) / 2 / 0.85, **at)
+    assert not never.fits and not never.offload
+    forced = plan(LLAMA_8B, job(1, offload="disk"), budget_gb=1000, **at)
+    assert forced.offload and forced.predicted_gb == pytest.approx(disk, abs=1e-3)
+    with pytest.raises(ValueError, match="offload: disk keeps segment boundaries on disk"):
+        job(0, offload="disk")
