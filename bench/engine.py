@@ -42,6 +42,7 @@ from engine.optim import apply_grads, make_optimizer
 from engine.step import loss_and_grads
 from engine.data import Example, PreferenceExample
 from engine.demo import FAMILY_CONFIGS
+from schemas.defaults import DEFAULT_HEAD_CHUNK
 
 
 def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0, *,
@@ -247,7 +248,7 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--mode", default="segmented", choices=["segmented", "plain", "checkpoint"])
     p.add_argument("--segment-size", type=int, default=1)
-    p.add_argument("--head-chunk", type=int, default=512)
+    p.add_argument("--head-chunk", type=int, default=DEFAULT_HEAD_CHUNK)
     p.add_argument("--attn-block", type=int, default=0,
                    help="segmented: attention backward in blocks of this many query rows (0 = off)")
     p.add_argument("--impl", default="segctl", choices=["segctl", "mlx-lm", "mlx-lm-lora"],

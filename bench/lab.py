@@ -28,8 +28,9 @@ import time
 import yaml
 
 from bench.orchestrator import row
+from schemas.defaults import DEFAULT_PORT
 
-HEAD_PORT = 6379
+HEAD_PORT = DEFAULT_PORT
 
 
 def ssh(lab, host: str, command: str, timeout: float = 900):

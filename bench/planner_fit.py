@@ -38,6 +38,7 @@ from engine.model import apply_lora, load_model, model_parts
 from engine.optim import apply_grads, make_optimizer
 from engine.step import loss_and_grads
 from orchestrator.planner import model_info, predict_gb
+from schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
 
 RANK = 8
 
@@ -94,8 +95,8 @@ def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: 
     return folder
 
 
-def measure_peak_gb(model, example, *, segment_size: int, head_chunk: int = 512,
-                    attn_block: int = 2048, grad_checkpoint: bool = False, steps: int = 2,
+def measure_peak_gb(model, example, *, segment_size: int, head_chunk: int = DEFAULT_HEAD_CHUNK,
+                    attn_block: int = DEFAULT_ATTN_BLOCK, grad_checkpoint: bool = False, steps: int = 2,
                     **method) -> float:
     """Peak GB of `steps` training steps on `example`, measured as engine/train.py
     measures a step (a fresh AdamW, so step 1 also allocates its moments)."""
@@ -185,7 +186,7 @@ def orpo_row(model, info, arch, layers, hidden, vocab, dtype, P, R, seg, method)
     seq = P + 2 * R if shared else P + R
     predicted = predict_gb(info, seq_len=seq, segment_size=seg, lora_rank=RANK, method=method)
     row = dict(arch=arch, layers=layers, hidden=hidden, vocab=vocab, dtype=dtype, method=method,
-               prompt=P, response=R, seq=seq, segment_size=seg, attn_block=2048,
+               prompt=P, response=R, seq=seq, segment_size=seg, attn_block=DEFAULT_ATTN_BLOCK,
                grad_checkpoint=False, measured_gb=round(measured, 5),
                predicted_gb=round(predicted, 5), ratio=round(predicted / measured, 3),
                seconds=round(time.perf_counter() - tic, 2), info=info.to_dict())

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from bench.orchestrator import row
+from schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
 
 
 def write_shaped_model(out: Path, *, layers: int, dim: int, vocab: int, dtype: str) -> Path:
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
                                       phase_peaks=[v for _, v in e["phases"]]))
 
     fitted = measured.fit([point(events[k]) for k in grid], n_layers=args.layers,
-                          head_chunk=512, attn_block=2048, lora_rank=8, lora_layers=-1)
+                          head_chunk=DEFAULT_HEAD_CHUNK, attn_block=DEFAULT_ATTN_BLOCK,
+                          lora_rank=8, lora_layers=-1)
     loo = measured.held_out(fitted)
     for r in loo:
         row(bench="tune_fit", kind="loo", **shape, **r)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from schemas.defaults import DEFAULT_MAX_SEQ_LENGTH
 from schemas.limits import MAX_ROW_BYTES, load_json, one_line
 
 
@@ -64,7 +65,7 @@ class Dataset:
 
 
 def load_dataset(path: str | Path, tokenizer, *, method: str = "sft", mask_prompt: bool = True,
-                 max_seq_length: int = 2048, overlong: str = "truncate") -> Dataset:
+                 max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, overlong: str = "truncate") -> Dataset:
     """The rows of a jsonl file as token ids, for the job's `method` ("sft", "orpo"
     or "dpo"; orpo and dpo rows are preference pairs and `mask_prompt` does not
     apply)."""
@@ -172,7 +173,7 @@ def _chat(messages, tokenizer, mask_prompt, where):
     return ids, prompt_len
 
 
-def load_preferences(path: str | Path, tokenizer, *, max_seq_length: int = 2048,
+def load_preferences(path: str | Path, tokenizer, *, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
                      overlong: str = "truncate") -> Dataset:
     """Preference pairs (ORPO, DPO). Each branch (prompt + chosen, prompt + rejected) is
     held to max_seq_length by cutting its response's tail ("truncate") or by

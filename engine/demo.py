@@ -15,6 +15,8 @@ import secrets
 import string
 from pathlib import Path
 
+from schemas.atomic import fsync_dir
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -501,6 +503,7 @@ def write_demo(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_dir(out_dir.parent)
     return out_dir / "job.yaml"
 
 

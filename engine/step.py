@@ -45,6 +45,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
+from schemas.defaults import DEFAULT_HEAD_CHUNK
+
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .layer import eager, layer_vjp
 from .offload import Boundaries
@@ -66,7 +68,7 @@ def plan_segments(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
 
 
 def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_size: int,
-                   head_chunk: int = 512, attn_block: int = 0, mlp_chunk: int = 0,
+                   head_chunk: int = DEFAULT_HEAD_CHUNK, attn_block: int = 0, mlp_chunk: int = 0,
                    offload: str | None = None, grad_checkpoint: bool = False,
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
@@ -103,7 +105,7 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     return loss, grads
 
 
-def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int = 512,
+def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int = DEFAULT_HEAD_CHUNK,
               prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
               beta: float = 0.1, parts: ModelParts | None = None) -> tuple[float, int]:
     """(loss, weight) without gradients, for validation: SFT weighs by supervised

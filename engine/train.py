@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from schemas import events as ev
+from schemas.atomic import fsync_dir, write_atomic
 from schemas.job import JobSpec
 
 from .data import DataError, Dataset, epoch_order, load_dataset
@@ -253,10 +254,7 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
 # ---------------------------------------------------------------- files
 
 def save_adapter(folder: Path, model) -> Path:
-    path = folder / "adapters.safetensors"
-    weights = dict(tree_flatten(model.trainable_parameters()))
-    _atomic(path, lambda tmp: mx.save_safetensors(str(tmp), weights))
-    return path
+    return _save_tensors(folder / "adapters.safetensors", model.trainable_parameters())
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer, adapter_config: dict,
@@ -268,17 +266,16 @@ def save_checkpoint(out: Path, step: int, model, optimizer, adapter_config: dict
     tmp = root / f".step-{step:07d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "adapters.safetensors"),
-                        dict(tree_flatten(model.trainable_parameters())))
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    _save_tensors(tmp / "adapters.safetensors", model.trainable_parameters())
+    _save_tensors(tmp / "optimizer.safetensors", optimizer.state)
     _write_json(tmp / "adapter_config.json", adapter_config)
     # Data position is the step (the order is a function of seed and epoch);
     # the RNG is reseeded from (seed, step) every step.
     _write_json(tmp / "state.json", {"step": step, "data_position": step, "seed": seed,
                                      "rng": "mx.random.seed(seed * 1000003 + step)"})
-    _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    fsync_dir(root)
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -297,22 +294,13 @@ def load_checkpoint(path: Path, model, optimizer) -> int:
     return int(json.loads((path / "state.json").read_text())["step"])
 
 
+def _save_tensors(path: Path, tree) -> Path:
+    weights = dict(tree_flatten(tree))
+    return write_atomic(path, write=lambda tmp: mx.save_safetensors(str(tmp), weights))
+
+
 def _write_json(path: Path, obj) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")  # keeps the suffix: mx.save_* appends one
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    for p in folder.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 __all__ = ["run", "run_reported", "OOMError", "OutputError", "ModelError", "DataError", "StepError"]

@@ -33,6 +33,7 @@ from schemas.records import AttemptResult, AttemptSpec
 
 from .raynode import private_dir, private_file
 
+DRAIN_S = 5          # seconds the worker's stderr gets to drain once it has exited
 FLUSH_S = 0.5        # forward telemetry at least this often while events arrive
 FLUSH_ROWS = 500     # ... or when this many are waiting
 KEEP_FAILED = 3      # folders of attempts that did not succeed, kept per node for debugging
@@ -139,7 +140,7 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
             flush()
     code = proc.wait()
     ended = time.time()
-    drain.join(timeout=5)
+    drain.join(timeout=DRAIN_S)
     flush()
     proc.stdin.close()
 

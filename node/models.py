@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from schemas.atomic import fsync_dir
+
 from .raynode import private_dir
 
 CHUNK = 32 << 20   # bytes per call; well under a Mac's 2 GiB object store
@@ -74,6 +76,8 @@ def _fetch_folder(path: str, files, key: str, cache: Path, dest: Path, chunk) ->
         except OSError:
             if not (dest / "config.json").is_file():   # else a concurrent fetch won
                 raise
+        else:
+            fsync_dir(cache)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(dest)

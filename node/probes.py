@@ -15,7 +15,7 @@ from typing import Callable
 
 from schemas.records import ProbeSpec
 
-from .attempt import Running, _last, start_worker
+from .attempt import DRAIN_S, Running, _last, start_worker
 from .raynode import private_dir, private_file
 
 
@@ -50,7 +50,7 @@ def run_probes(spec: ProbeSpec, work: Path, *, send: Callable[[dict], None],
         elif event.get("event") == "error":
             error = event["message"]
     code = proc.wait()
-    drain.join(timeout=5)
+    drain.join(timeout=DRAIN_S)
     proc.stdin.close()
     shutil.rmtree(folder, ignore_errors=True)
     if running.cancelled:

@@ -31,6 +31,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from schemas.atomic import write_atomic
+from schemas.defaults import DEFAULT_NODE_MAX_TRIALS
+
 from .probe import Hardware, ray_env
 
 HEAD_RESOURCE = "segctl_head"
@@ -46,7 +49,7 @@ _LABEL_RE = re.compile(r"([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
 
 
 def node_labels(name: str, chip: str, memory_gb: float, os_name: str, labels: dict,
-                max_trials: int = 1) -> dict:
+                max_trials: int = DEFAULT_NODE_MAX_TRIALS) -> dict:
     """The labels of a segctl training node: ours, then the user's (keys as written)."""
     ours = {f"{LABEL}name": name, f"{LABEL}chip": chip, f"{LABEL}memory_gb": f"{memory_gb:g}",
             f"{LABEL}os": os_name, f"{LABEL}max_trials": str(int(max_trials))}
@@ -75,7 +78,7 @@ def start_head(*, port: int, stores: Path, node: dict | None, hw: Hardware, log_
     if node:
         resources[NODE_RESOURCE + node["name"]] = 1
         labels = node_labels(node["name"], node["chip"], node["memory_gb"], hw.os,
-                             node.get("labels") or {}, node.get("max_trials", 1))
+                             node.get("labels") or {}, node.get("max_trials", DEFAULT_NODE_MAX_TRIALS))
     args = ["--head", "--port", str(port), "--include-dashboard=false"]
     env = ray_env(str(token), hw)
     ip = _node_ip(hw, node_ip)
@@ -90,7 +93,7 @@ def start_head(*, port: int, stores: Path, node: dict | None, hw: Hardware, log_
 
 def start_node(*, address: str, name: str, memory_gb: float, chip: str, labels: dict,
                hw: Hardware, token_path: str, log_dir: Path,
-               object_store_mb: int | None = None, max_trials: int = 1) -> dict:
+               object_store_mb: int | None = None, max_trials: int = DEFAULT_NODE_MAX_TRIALS) -> dict:
     """Join this machine to the head at `address` as segctl node `name`. Returns
     {"pid", "started", "name"} once the node is alive in the cluster's node table."""
     if not Path(token_path).exists():
@@ -521,22 +524,31 @@ def private_dir(path) -> Path:
 
 def private_file(path, data: bytes | None = None) -> Path:
     """File `path` readable and writable by its owner only (0600) whatever the
-    umask: made empty if missing, written with `data` if given (in place; write
-    to a temp name and rename for atomicity). Its folder must exist."""
+    umask: made empty if missing, or replaced atomically by one holding `data`
+    if given (schemas.atomic.write_atomic). One already there must be a file of
+    this user, not a link (refused before anything is written). Its folder must
+    exist."""
     path = Path(path)
+    if data is not None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        else:
+            _own_file(path, st)
+        return write_atomic(path, data, mode=0o600)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
-            raise PermissionError(f"{path}: not a file of this user (uid {st.st_uid})")
+        _own_file(path, os.fstat(fd))
         os.fchmod(fd, 0o600)
-        if data is not None:
-            os.ftruncate(fd, 0)
-            with os.fdopen(os.dup(fd), "wb") as f:
-                f.write(data)
     finally:
         os.close(fd)
     return path
+
+
+def _own_file(path: Path, st: os.stat_result) -> None:
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        raise PermissionError(f"{path}: not a file of this user (uid {st.st_uid})")
 
 
 def _own(path: Path, kind, what: str) -> None:

@@ -17,11 +17,9 @@ import click
 
 from schemas import SpecError
 from schemas import events as ev
-from schemas.limits import MAX_TOKENS, one_line
-
+from schemas.defaults import DEFAULT_MARGIN, DEFAULT_NODE_MAX_TRIALS, DEFAULT_PORT
 from schemas.job import DEMO_ARCHS, METHODS
-from schemas.cluster import DEFAULT_MARGIN
-from schemas.limits import MAX_TRIALS_PER_NODE
+from schemas.limits import MAX_TOKENS, MAX_TRIALS_PER_NODE, one_line
 
 from . import views
 
@@ -240,8 +238,7 @@ def _payload(sweep_file, spec):
 def _status(root: Path, sid: str | None) -> list[dict]:
     from orchestrator import state
     try:
-        con = state.read(root / "state.db")
-        return state.sweep_status(con, sid)
+        return state.read(root / "state.db").status(sid)
     except (FileNotFoundError, KeyError) as e:
         _fail(str(e).strip("'\""))
 
@@ -416,7 +413,8 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
     """Show the sweep until it stops running; the exit code says how it went."""
     import time as _time
     from orchestrator import state
-    con = state.read(root / "state.db")
+    from schemas.records import SweepState, TrialState
+    db = state.read(root / "state.db")
     seen = 0
     live = None
     if not as_json and sys.stdout.isatty():
@@ -425,16 +423,14 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
         live.start()
     try:
         while True:
-            [sw] = state.sweep_status(con, sid)
+            [sw] = db.status(sid)
             if live:
                 live.update(views.trials_table(sw))
             else:
-                rows = con.execute("SELECT * FROM events WHERE sweep = ? AND id > ? ORDER BY id",
-                                   (sid, seen)).fetchall()
-                for r in rows:
-                    seen = r["id"]
-                    click.echo(json.dumps(dict(r)) if as_json else views.transition_line(dict(r)))
-            if sw["state"] != "RUNNING":
+                for e in db.events(seen, sweep=sid):
+                    seen = e["id"]
+                    click.echo(json.dumps(e) if as_json else views.transition_line(e))
+            if sw["state"] != SweepState.RUNNING:
                 break
             _time.sleep(0.5)
     except KeyboardInterrupt:
@@ -443,7 +439,7 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
     finally:
         if live:
             live.stop()
-    failed = [t for t in sw["trials"] if t["state"] != "SUCCEEDED"]
+    failed = [t for t in sw["trials"] if t["state"] != TrialState.SUCCEEDED]
     click.echo(f"sweep {sid} {sw['state'].lower()}: {len(sw['trials']) - len(failed)} of "
                f"{len(sw['trials'])} trials succeeded; stores in {root}", err=True)
     return 0 if not failed else 1
@@ -478,26 +474,25 @@ def logs(trial, cluster_file, follow: bool):
     from orchestrator.stores import Stores
     root = _root(_cluster(cluster_file))
     try:
-        con = state.read(root / "state.db")
+        db = state.read(root / "state.db")
     except FileNotFoundError as e:
         _fail(str(e))
-    if con.execute("SELECT 1 FROM trials WHERE id = ?", (trial,)).fetchone() is None:
+    if db.trial(trial) is None:
         _fail(f"no trial named {trial!r} (segctl status lists them)")
     stores = Stores(root)
     last_event, last_seq = 0, {}
     while True:
         lines = []   # (time, line): transitions and engine events in the order they happened
-        for e in state.trial_events(con, trial, last_event):
+        for e in db.events(last_event, trial=trial):
             last_event = e["id"]
             lines.append((e["time"], views.transition_line(e)))
-        for a in con.execute("SELECT id FROM attempts WHERE trial = ? ORDER BY id", (trial,)):
+        for a in db.attempts(trial):
             for e in stores.events(a["id"], last_seq.get(a["id"], -1)):
                 last_seq[a["id"]] = e["seq"]
                 lines.append((e.get("time", 0), views.engine_line(e)))
         for _, line in sorted(lines, key=lambda x: x[0]):
             click.echo(line)
-        st = con.execute("SELECT state FROM trials WHERE id = ?", (trial,)).fetchone()["state"]
-        if not follow or state.is_terminal(st):
+        if not follow or state.is_terminal(db.trial(trial)["state"]):
             break
         _time.sleep(0.5)
 
@@ -533,9 +528,10 @@ def resume(sweep, cluster_file, detach: bool, as_json: bool):
         info = ray.get(head.resume.remote(sweep))
     except ray.exceptions.RayTaskError as e:
         _fail(str(getattr(e, "cause", e)).strip("'\""))
+    from schemas.records import SweepState
     click.echo(f"sweep {sweep}: {info['state'].lower()}, {info['unfinished']} unfinished trial(s)",
                err=True)
-    if not detach and info["state"] == "RUNNING":
+    if not detach and info["state"] == SweepState.RUNNING:
         sys.exit(_follow(_root(spec), sweep, as_json))
 
 
@@ -553,6 +549,7 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     parameters, metrics and the sha256 of every file."""
     from orchestrator.gather import gather as do_gather
     from orchestrator.stores import Stores
+    from schemas.records import TrialState
     if best is not None and best < 1:
         _fail("--best: must be at least 1")
     root = _root(_cluster(cluster_file))
@@ -560,7 +557,7 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     trials = [{"trial": t["trial"], "state": t["state"], "params": t["params"],
                "metrics": {"val_loss": t["val_loss"], "final_loss": t["final_loss"]}}
               for t in sw["trials"]]
-    if not any(t["state"] == "SUCCEEDED" for t in trials):
+    if not any(t["state"] == TrialState.SUCCEEDED for t in trials):
         _fail(f"sweep {sweep} has no succeeded trial to gather")
     try:
         path = do_gather(Stores(root), trials, out, best=best, metric=metric)
@@ -638,8 +635,7 @@ def cluster_status(cluster_file, as_json: bool):
     running = {}
     db = _root(spec) / "state.db"
     if db.exists():
-        con = state.read(db)
-        for a in con.execute("SELECT node, trial FROM attempts WHERE status != 'ended'"):
+        for a in state.read(db).open_attempts():
             running.setdefault(a["node"], []).append(a["trial"])   # up to its max_trials
     ray_nodes = fleet.ports()
     where = {name: r for r in ray_nodes for name in r["names"]}
@@ -696,10 +692,10 @@ def node():
               help="training budget (default: this machine's memory from the probe)")
 @click.option("--chip", default=None, help="default: from the probe (e.g. m2-max)")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="extra node label")
-@click.option("--max-trials", type=click.IntRange(1, MAX_TRIALS_PER_NODE), default=1,
+@click.option("--max-trials", type=click.IntRange(1, MAX_TRIALS_PER_NODE), default=DEFAULT_NODE_MAX_TRIALS,
               show_default=True, help="trials this node runs at once (while their predicted "
                                       "peaks fit --memory-gb)")
-@click.option("--port", type=int, default=6379, show_default=True, help="--head: the Ray port")
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="--head: the Ray port")
 @click.option("--stores", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="--head: stores root (default $SEGCTL_HOME or ~/.segctl)")
 @click.option("--token-stdin", is_flag=True,

@@ -32,7 +32,9 @@ from pathlib import Path
 
 from node import raynode
 from node.probe import Hardware, default_name, probe, ray_env
-from schemas.cluster import DEFAULT_MAX_TRIALS
+from schemas.atomic import write_atomic
+from schemas.cluster import DEFAULT_MAX_TRIALS, DEFAULT_STORES
+from schemas.defaults import DEFAULT_NODE_MAX_TRIALS
 from schemas.records import NodeInfo
 
 # `ray` itself is imported only where a driver is needed: stores_root() and the
@@ -52,7 +54,7 @@ def stores_root(spec) -> Path:
 
 
 def segctl_home() -> Path:
-    return Path(os.environ.get("SEGCTL_HOME") or "~/.segctl").expanduser()
+    return Path(os.environ.get("SEGCTL_HOME") or DEFAULT_STORES).expanduser()
 
 
 def ensure_token(stores: Path) -> Path:
@@ -172,7 +174,7 @@ def nodes() -> list[NodeInfo]:
         out.append(NodeInfo(
             name=names[0], chip=ours.get("chip", "unknown"),
             memory_gb=float(ours.get("memory_gb", 0)), os=ours.get("os", "unknown"), alive=True,
-            max_trials=int(ours.get("max_trials", 1)),
+            max_trials=int(ours.get("max_trials", DEFAULT_NODE_MAX_TRIALS)),
             labels={k: v for k, v in labels.items()
                     if not k.startswith(raynode.LABEL) and not k.startswith("ray.io/")}))
     return sorted(out, key=lambda n: n.name)
@@ -209,7 +211,7 @@ def ports(timeout: float = 60) -> list[dict]:
 
 def start_here(*, head: bool, address: str | None, name: str, memory_gb: float, chip: str,
                labels: dict, port: int, stores: Path | None, token: str | None,
-               hw: Hardware, max_trials: int = 1) -> dict:
+               hw: Hardware, max_trials: int = DEFAULT_NODE_MAX_TRIALS) -> dict:
     """`segctl node start`: the head here (it also trains, as node `name`), or a
     node joining the head at `address`. Recorded in $SEGCTL_HOME/here.json for
     `segctl node stop`."""
@@ -312,7 +314,7 @@ def _start_head(spec, root: Path, token: Path, hw: Hardware) -> dict:
     named = None
     if spec is None:
         # embedded: this machine is head and node; a free port, so a Ray the user
-        # runs on 6379 is left alone
+        # runs on the default port (DEFAULT_PORT) is left alone
         port = _free_port()
         node = {"name": default_name(), "memory_gb": hw.memory_gb, "chip": hw.chip, "labels": {},
                 "max_trials": DEFAULT_MAX_TRIALS}
@@ -453,25 +455,19 @@ def _read(path: Path, default=None):
 
 
 def _write(path: Path, data) -> None:
-    raynode.private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    raynode.private_file(tmp, json.dumps(data, indent=2).encode())
-    os.replace(tmp, path)
+    raynode.private_file(raynode.private_dir(path.parent) / path.name,
+                         json.dumps(data, indent=2).encode())
 
 
 def _write_token(path: Path, token: str, *, replace: bool) -> Path:
+    data = (token.strip() + "\n").encode()
     raynode.private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    raynode.private_file(tmp, (token.strip() + "\n").encode())
     if replace:
-        os.replace(tmp, path)
-        return path
+        return raynode.private_file(path, data)
     try:
-        os.link(tmp, path)      # no clobbering a token another process just made
+        write_atomic(path, data, mode=0o600, replace=False)
     except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
+        pass    # no clobbering a token another process just made
     return path
 
 

@@ -14,6 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
+from schemas.atomic import fsync_dir
+from schemas.records import TrialState
+
 from .stores import Stores
 
 
@@ -42,11 +45,14 @@ def gather(stores: Stores, trials: list[dict], out: Path, best: int | None = Non
             files = stores.adapter_files(t["trial"])
             for name, blob in files.items():
                 _write(folder / name, blob)
+            fsync_dir(folder)
             manifest.append({"trial": t["trial"], "params": t.get("params") or {},
                              "metrics": t.get("metrics") or {},
                              "files": {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}})
         _write(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+        fsync_dir(tmp)   # every entry in place before the folder is renamed in
         os.replace(tmp, out)   # an empty `out` is replaced; a non-empty one was refused above
+        fsync_dir(out.parent)  # the rename itself survives a power cut
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -55,7 +61,8 @@ def gather(stores: Stores, trials: list[dict], out: Path, best: int | None = Non
 def pick(stores: Stores, trials: list[dict], best: int | None, metric: str) -> list[dict]:
     """The trials to export: succeeded, with an adapter; ranked by `metric` (missing
     or not a number sorts last) and cut to `best` when given, else in the order given."""
-    ok = [t for t in trials if t.get("state") == "SUCCEEDED" and stores.has_adapter(t["trial"])]
+    ok = [t for t in trials
+          if t.get("state") == TrialState.SUCCEEDED and stores.has_adapter(t["trial"])]
     if best is None:
         return ok
 

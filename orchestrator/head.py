@@ -28,17 +28,17 @@ import logging.handlers
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import ray
 
 from node import models
 from node.raynode import private_dir
-from schemas.cluster import DEFAULT_MARGIN
+from schemas.atomic import write_atomic
+from schemas.defaults import DEFAULT_MARGIN, DEFAULT_MLP_CHUNK, DEFAULT_SCALE
 from schemas.job import JobSpec
-from schemas.records import (AttemptResult, AttemptSpec, NodeInfo, ProbeSpec, SweepState,
-                             TrialState)
+from schemas.records import (OUTCOME_MOVES, TERMINAL, AttemptResult, AttemptSpec, AttemptStatus,
+                             NodeInfo, Outcome, ProbeSpec, SweepState, TrialState, TuneState)
 
 from . import measured, planner
 from .state import State, read as read_state
@@ -77,7 +77,6 @@ class Controller:
         self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
         self.plans: dict[tuple, object] = {}    # (trial, node, budget, max_segment) -> Plan
         self.fitted: dict[str, dict] = {}       # model key -> {measured.match_key: MemoryModel}
-        self.tunes: dict[str, dict] = {}        # tune id -> its request and per-class progress
         self.probing: dict[object, tuple[str, str, str]] = {}   # ref -> (tune, class, node)
         self.nodes_seen = 0.0
         self.wake = threading.Event()          # set by requests that may make work runnable
@@ -93,7 +92,7 @@ class Controller:
         for sha, blob in payload["blobs"].items():
             if hashlib.sha256(blob).hexdigest() != sha:
                 raise ValueError(f"input {sha[:12]} arrived damaged")
-            _write_input(inputs / sha, blob, sha)
+            _write_input(inputs / sha, blob)
         with self.mu:
             sid = self.state.add_sweep(payload["name"], payload["path"], payload["spec"],
                                        payload["trials"])
@@ -103,23 +102,21 @@ class Controller:
     def cancel(self, target: str) -> list[str]:
         """Cancel a sweep (every trial not yet finished) or one trial."""
         with self.mu:
-            sweep = self.state.one("SELECT * FROM sweeps WHERE id = ?", (target,))
+            sweep = self.state.sweep(target)
             if sweep is not None:
-                tids = [r["id"] for r in self.state.q(
-                    "SELECT id FROM trials WHERE sweep = ?", (target,))]
+                trials = self.state.trials(target)
             elif self.state.trial(target) is not None:
-                tids = [target]
+                trials = [self.state.trial(target)]
             else:
                 raise KeyError(f"no sweep or trial named {target!r}")
             done = []
-            for tid in tids:
-                t = self.state.trial(tid)
-                if t["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            for t in trials:
+                if t["state"] in TERMINAL:
                     continue
+                tid = t["id"]
                 self.state.move(tid, TrialState.CANCELLED, "cancelled by user")
                 done.append(tid)
-                for a in self.state.q("SELECT * FROM attempts WHERE trial = ? AND status != 'ended'",
-                                      (tid,)):
+                for a in self.state.open_attempts(tid):
                     agent = self.agents.get(a["node"])
                     if agent is not None:
                         agent.cancel.remote(a["id"])
@@ -131,61 +128,54 @@ class Controller:
 
     def resume(self, sid: str) -> dict:
         with self.mu:
-            s = self.state.one("SELECT * FROM sweeps WHERE id = ?", (sid,))
+            s = self.state.sweep(sid)
             if s is None:
                 raise KeyError(f"no sweep named {sid!r}")
             self.reseal(sid)   # results a failed store write left behind
-            if s["state"] == SweepState.INTERRUPTED.value:
+            if s["state"] == SweepState.INTERRUPTED:
                 self.state.set_sweep_state(sid, SweepState.RUNNING, "resumed by user")
                 self.wake.set()
-            left = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state NOT IN"
-                                  " ('SUCCEEDED','FAILED','CANCELLED')", (sid,))["n"]
-            return {"sweep": sid, "state": self.state.one(
-                "SELECT state FROM sweeps WHERE id = ?", (sid,))["state"], "unfinished": left}
+            return {"sweep": sid, "state": self.state.sweep(sid)["state"],
+                    "unfinished": self.state.unfinished(sid)}
 
     def tune(self, request: dict) -> str:
         """request: model, model_key, model_name, n_layers, method, prefix_shared,
-        method_key, lora, head_chunk, attn_block, steps, classes {class: {budget_gb,
+        method_key, lora, head_chunk, attn_block, mlp_chunk, steps, classes {class: {budget_gb,
         points [[seq_len, segment_size]], reused}}. Each class's points run on one
-        free node of that class, ahead of pending trials."""
+        free node of that class, ahead of pending trials. The tune lives in state.db:
+        a head that restarts goes on with it."""
         with self.mu:
-            tid = f"tune-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self.clock()))}"
-            tid += f"-{sum(1 for t in self.tunes if t.startswith(tid)) + 1}"
-            self.tunes[tid] = {"request": request, "started": self.clock(), "classes": {
-                cls: {"state": "queued" if c["points"] else "done", "node": None,
-                      "points": [list(p) for p in c["points"]], "budget_gb": c["budget_gb"],
-                      "done": 0, "fits": 0, "reused": c.get("reused", 0), "error": ""}
-                for cls, c in request["classes"].items()}}
+            tid = self.state.add_tune(request)
         self.wake.set()
         return tid
 
     def tune_status(self, tid: str) -> dict:
         with self.mu:
-            if tid not in self.tunes:
-                raise KeyError(f"no tune named {tid!r}")
-            t = self.tunes[tid]
-            return {"tune": tid, "started": t["started"],
-                    "classes": {cls: {k: v for k, v in c.items() if k != "points"}
-                                | {"total": len(c["points"])}
-                                for cls, c in t["classes"].items()}}
+            t = self.state.tune(tid)
+        if t is None:
+            raise KeyError(f"no tune named {tid!r}")
+        shown = ("state", "node", "budget_gb", "done", "fits", "reused", "error")
+        return {"tune": tid, "started": t["started"], "state": t["state"], "classes": {
+            cls: {k: c[k] for k in shown} | {"total": len(c["points"])}
+            for cls, c in t["classes"].items()}}
 
     def cancel_tune(self, tid: str) -> None:
         """Stop a tune: queued classes never start, running probe processes end;
         every point already measured stays in the plan table."""
         with self.mu:
-            for c in self.tunes.get(tid, {}).get("classes", {}).values():
-                if c["state"] == "queued":
-                    c.update(state="cancelled")
-                elif c["state"] == "running" and c["node"] in self.agents:
+            for c in self.state.tune_classes(tid, TuneState.QUEUED):
+                self.state.move_tune_class(tid, c["node_class"], TuneState.CANCELLED)
+            for c in self.state.tune_classes(tid, TuneState.RUNNING):
+                if c["node"] in self.agents:
                     self.agents[c["node"]].cancel.remote(f"tune:{tid}")
 
     def record_probe(self, tid: str, node: str, event: dict) -> None:
         """A node measured one point: its row goes into the plan table at once."""
         with self.mu:
-            t = self.tunes[tid]
-            req = t["request"]
-            cls = next(c for c, v in t["classes"].items() if v["node"] == node)
-            entry = t["classes"][cls]
+            t, entry = self.state.tune(tid), self.state.tune_class_on(tid, node)
+            if t is None or entry is None:
+                raise KeyError(f"tune {tid!r} has no class measured on {node}")
+            req, cls = t["request"], entry["node_class"]
             info = self.nodes.get(node)
             row = dict(tune=tid, time=event["time"], model_name=req["model_name"],
                        n_layers=req["n_layers"], method=req["method_key"], node_class=cls,
@@ -201,8 +191,7 @@ class Controller:
                        step_s=event.get("step_s"), steps=event["steps"],
                        message=event.get("message", ""))
             self.stores.put_probe(req["model_key"], row)
-            entry["done"] += 1
-            entry["fits"] += bool(event["fits"])
+            self.state.count_probe(tid, cls, event["fits"])
             # plans made before this measurement are stale
             self.fitted.pop(req["model_key"], None)
             self.plans.clear()
@@ -211,12 +200,12 @@ class Controller:
     def started(self, aid: int, pid: int, t: float) -> None:
         with self.mu:
             a = self.state.attempt(aid)
-            if a is None or a["status"] != "placed":
+            if a is None or a["status"] != AttemptStatus.PLACED:
                 return
             trial = self.state.trial(a["trial"])
-            self.state.update_attempt(aid, status="running", started=t, pid=pid,
+            self.state.update_attempt(aid, status=AttemptStatus.RUNNING.value, started=t, pid=pid,
                                       dispatch_s=t - a["ready"])
-            if trial["state"] == TrialState.PLACED.value:
+            if trial["state"] == TrialState.PLACED:
                 self.state.move(a["trial"], TrialState.RUNNING,
                                 f"engine process {pid} started on {a['node']}", attempt=aid)
 
@@ -239,10 +228,7 @@ class Controller:
     def model_folder(self, path: str) -> str:
         """A node asks for a model it does not have: only a model some trial trains
         is served (the token keeps strangers out; this keeps nodes to their business)."""
-        for (job,) in self.state.q("SELECT DISTINCT job FROM trials"):
-            if json.loads(job).get("model") == path:
-                return path
-        if any(t["request"]["model"] == path for t in self.tunes.values()):
+        if self.state.serves_model(path):
             return path
         raise PermissionError(f"{path}: not the model of any trial")
 
@@ -308,11 +294,11 @@ class Controller:
             return self.get(ref)
         except LOST as e:
             self.agents.pop(node, None)   # its agent died with it; a new one if it returns
-            return AttemptResult(attempt=aid, outcome="node_lost",
+            return AttemptResult(attempt=aid, outcome=Outcome.NODE_LOST,
                                  message=f"node {node} lost ({type(e).__name__})")
         except Exception as e:
             line = self.fault(f"attempt {aid}: the agent on {node} failed", e)
-            return AttemptResult(attempt=aid, outcome="agent_error", message=line)
+            return AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR, message=line)
 
     def refresh_nodes(self) -> None:
         self.nodes_seen = self.clock()
@@ -363,9 +349,7 @@ class Controller:
     def place(self) -> None:
         free = [n for n in self.nodes.values() if self.takes_work(n)]
         free = self._place_probes(free)
-        sweeps = self.state.q("SELECT * FROM sweeps WHERE state = 'RUNNING' "
-                              "ORDER BY priority DESC, created")
-        for s in sweeps:
+        for s in self.state.running_sweeps():
             try:
                 self._place_sweep(s, free)
             except Exception as e:   # this sweep cannot be planned: it fails, the others go on
@@ -374,13 +358,11 @@ class Controller:
     def _place_sweep(self, s, free: list[NodeInfo]) -> None:
         """Place what fits of one sweep's pending trials on `free` (taking the nodes it uses)."""
         cap = s["concurrency"]
-        live = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN "
-                              "('PLACED','RUNNING')", (s["id"],))["n"]
+        live = self.state.count_trials(s["id"], (TrialState.PLACED, TrialState.RUNNING))
         spec = json.loads(s["spec"])
         placement = spec.get("placement") or {}
         knobs = spec.get("planner") or {}
-        for t in self.state.q("SELECT * FROM trials WHERE sweep = ? AND state = 'PENDING' "
-                              "ORDER BY idx", (s["id"],)):
+        for t in self.state.trials(s["id"], TrialState.PENDING):
             if not free or (cap is not None and live >= cap):
                 break
             excluded = set(json.loads(t["excluded"]))
@@ -388,16 +370,17 @@ class Controller:
                           if n.matches(placement) and n.name not in excluded]
             if not candidates:
                 if excluded and self.nodes:
-                    self.state.move(t["id"], TrialState.FAILED,
-                                    f"out of memory at segment_size 1 on {sorted(excluded)} "
-                                    "and no other node matches")
+                    why = (f"out of memory at segment_size 1 on {sorted(excluded)} "
+                           "and no other node matches")
+                    self.state.move(t["id"], TrialState.FAILED, why, message=why)
                     self._maybe_done(s["id"])
                 continue
             # Whether it fits a node at all is judged on the whole node ...
             plans = {n.name: self._plan(t, n, knobs) for n in candidates}
             if not any(p.fits for p in plans.values()):
                 worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
-                self.state.move(t["id"], TrialState.FAILED, f"does not fit any node ({worst})")
+                why = f"does not fit any node ({worst})"
+                self.state.move(t["id"], TrialState.FAILED, why, message=why)
                 self._maybe_done(s["id"])
                 continue
             # ... where it goes now, on what running attempts leave of each (a trial
@@ -425,54 +408,57 @@ class Controller:
                 free.remove(node)
             live += 1
 
-    def _last_attempt(self, t):
-        return self.state.one("SELECT outcome, budget_gb, node FROM attempts WHERE trial = ? "
-                              "ORDER BY id DESC LIMIT 1", (t["id"],))
-
     def _broke_on(self, t) -> str | None:
         """The node trial `t`'s last attempt ended on as lost or with its agent failing."""
-        a = self._last_attempt(t)
-        return a["node"] if a and a["outcome"] in ("node_lost", "agent_error") else None
+        a = self.state.last_attempt(t["id"])
+        return a["node"] if a and a["outcome"] in (Outcome.NODE_LOST, Outcome.AGENT_ERROR) else None
 
     def _shared_oom(self, t) -> bool:
-        """Whether trial `t`'s last attempt ran out of memory under less than its
-        node's whole budget (sharing it): the prediction it was held to was low."""
-        a = self._last_attempt(t)
+        """Whether trial `t`'s last attempt ran out of memory under less than it would
+        have had alone on its node (sharing it): the prediction it was held to was low.
+        Alone means the node's memory, or the job's own `memory.budget_gb` where that
+        is smaller: a trial held to its own budget was not sharing."""
+        a = self.state.last_attempt(t["id"])
         node = self.nodes.get(a["node"]) if a else None
-        return bool(a and a["outcome"] == "oom" and node and a["budget_gb"] is not None
-                    and a["budget_gb"] < node.memory_gb)
+        if not (a and a["outcome"] == Outcome.OOM and node and a["budget_gb"] is not None):
+            return False
+        own = (json.loads(t["job"]).get("memory") or {}).get("budget_gb")
+        alone = min(node.memory_gb, own) if own else node.memory_gb
+        return a["budget_gb"] < alone - 1e-9
 
     def fail_sweep(self, sid: str, reason: str) -> None:
         """The sweep cannot go on: its trials that have not started fail with the
         reason, running ones finish, and nothing more of it is placed."""
-        for t in self.state.q("SELECT id FROM trials WHERE sweep = ? AND state = 'PENDING'",
-                              (sid,)):
+        for t in self.state.trials(sid, TrialState.PENDING):
             self.state.move(t["id"], TrialState.FAILED, reason, message=reason)
         self.state.set_sweep_state(sid, SweepState.FAILED, reason)
 
     def _place_probes(self, free: list[NodeInfo]) -> list[NodeInfo]:
         """Each queued class of a tune gets a free node of its class; returns the
         nodes left free. Probes go first: what they measure plans the trials."""
-        for tid, t in self.tunes.items():
-            req = t["request"]
-            for cls, c in t["classes"].items():
-                if c["state"] != "queued":
-                    continue
-                node = next((n for n in free if n.node_class == cls and not self.held.get(n.name)),
-                            None)
-                if node is None:
-                    if not any(n.node_class == cls for n in self.nodes.values()):
-                        c.update(state="failed", error=f"no node of class {cls} is up")
-                    continue
-                spec = ProbeSpec(model=req["model"], method=req["method"],
-                                 prefix_shared=req["prefix_shared"], lora=req["lora"],
-                                 head_chunk=req["head_chunk"], attn_block=req["attn_block"],
-                                 budget_gb=node.memory_gb, points=c["points"], steps=req["steps"])
-                ref = self.agents[node.name].probe.remote(tid, spec)
-                self.probing[ref] = (tid, cls, node.name)
-                self.held[node.name] = {f"tune:{tid}": float("inf")}   # probes measure a whole node
-                c.update(state="running", node=node.name)
-                free = [n for n in free if n.name != node.name]
+        for c in self.state.queued_tune_classes():
+            tid, cls, req = c["tune"], c["node_class"], c["request"]
+            node = next((n for n in free if n.node_class == cls and not self.held.get(n.name)),
+                        None)
+            if node is None:
+                if not any(n.node_class == cls for n in self.nodes.values()):
+                    self.state.move_tune_class(tid, cls, TuneState.FAILED,
+                                               error=f"no node of class {cls} is up")
+                continue
+            # A probe walks its points in order, so after a head restart the points
+            # still to measure are those after the `done` already filed.
+            spec = ProbeSpec(model=req["model"], method=req["method"],
+                             prefix_shared=req["prefix_shared"], lora=req["lora"],
+                             head_chunk=req["head_chunk"], attn_block=req["attn_block"],
+                             # a tune filed by an older head has no mlp_chunk
+                             mlp_chunk=req.get("mlp_chunk", DEFAULT_MLP_CHUNK),
+                             budget_gb=node.memory_gb, points=c["points"][c["done"]:],
+                             steps=req["steps"])
+            ref = self.agents[node.name].probe.remote(tid, spec)
+            self.probing[ref] = (tid, cls, node.name)
+            self.held[node.name] = {f"tune:{tid}": float("inf")}   # probes measure a whole node
+            self.state.move_tune_class(tid, cls, TuneState.RUNNING, node=node.name)
+            free = [n for n in free if n.name != node.name]
         return free
 
     def _probed(self, ref) -> None:
@@ -487,10 +473,10 @@ class Controller:
         with self.mu:
             self.held.get(node, {}).pop(f"tune:{tid}", None)
             self.free_since[node] = self.clock()
-            c = self.tunes[tid]["classes"][cls]
-            error = result.get("error") or ""
-            c.update(state="cancelled" if error == "cancelled" else "failed" if error else "done",
-                     error=error)
+            error = result.get("error") or ""   # "cancelled": node/probes.py's word for a cancel
+            to = (TuneState.CANCELLED if error == TuneState.CANCELLED.value else
+                  TuneState.FAILED if error else TuneState.DONE)
+            self.state.move_tune_class(tid, cls, to, error=error)
 
     def _plan(self, t, node: NodeInfo, knobs: dict):
         key = (t["id"], node.name, node.memory_gb, t["max_segment"])
@@ -503,7 +489,7 @@ class Controller:
         info = planner.ModelInfo.from_dict(json.loads(t["model_info"]))
         return planner.plan(info, job, seq_len=t["seq_len"],
                             budget_gb=node.memory_gb if budget_gb is None else budget_gb,
-                            margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", 1.0),
+                            margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", DEFAULT_SCALE),
                             below=t["max_segment"],
                             measured=self._measured(info, job, node.node_class))
 
@@ -561,7 +547,8 @@ class Controller:
             ref = self.agents[node.name].run.remote(spec)
         except Exception as e:
             line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
-            return self.finish(aid, AttemptResult(attempt=aid, outcome="agent_error", message=line))
+            return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
+                                                  message=line))
         self.inflight[ref] = (aid, tid, node.name)
         self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
 
@@ -575,28 +562,29 @@ class Controller:
         a = self.state.attempt(aid)
         tid, sid = a["trial"], a["sweep"]
         peak = max(a["peak_gb"] or 0.0, r.peak_gb or 0.0) or None
-        self.state.update_attempt(aid, status="ended", outcome=r.outcome, message=r.message,
-                                  ended=r.ended or self.clock(), peak_gb=peak, final_loss=r.final_loss,
-                                  val_loss=r.val_loss, step=r.steps or a["step"])
+        self.state.update_attempt(aid, status=AttemptStatus.ENDED.value, outcome=r.outcome.value,
+                                  message=r.message, ended=r.ended or self.clock(), peak_gb=peak,
+                                  final_loss=r.final_loss, val_loss=r.val_loss,
+                                  step=r.steps or a["step"])
         self.guarded(f"attempt {aid}: sealing its telemetry (kept for resume)", self._seal, aid)
         t = self.state.trial(tid)
-        state = TrialState(t["state"])
-        if state in (TrialState.CANCELLED, TrialState.SUCCEEDED, TrialState.FAILED):
+        if t["state"] in TERMINAL:
             return self._maybe_done(sid)
         seg, node = a["segment_size"], a["node"]
-        if r.outcome == "succeeded":
+        if r.outcome == Outcome.SUCCEEDED:
             try:
                 self.stores.put_adapter(sid, tid, aid, r.adapter)
             except Exception as e:
                 line = self.fault(f"attempt {aid}: storing its adapter", e)
-                r = AttemptResult(attempt=aid, outcome="agent_error",
+                r = AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                   message=f"the head could not store the adapter ({line}); run again")
-                self.state.update_attempt(aid, outcome=r.outcome, message=r.message)
-        if r.outcome == "succeeded":
+                self.state.update_attempt(aid, outcome=r.outcome.value, message=r.message)
+        to = OUTCOME_MOVES[r.outcome]
+        if to == TrialState.SUCCEEDED:
             self.state.move(tid, TrialState.SUCCEEDED, f"finished on {node}: final loss "
                             f"{_fmt(r.final_loss)}, val loss {_fmt(r.val_loss)}", attempt=aid,
                             final_loss=r.final_loss, val_loss=r.val_loss, message="")
-        elif r.outcome == "oom":
+        elif to == TrialState.OOM:
             self.state.move(tid, TrialState.OOM, f"{node}: {r.message}", attempt=aid)
             if not self._retry_left(tid, sid, aid):
                 pass
@@ -613,13 +601,13 @@ class Controller:
                 self.state.move(tid, TrialState.PENDING,
                                 f"out of memory at segment_size 1 on {node}: try a larger node",
                                 attempt=aid, excluded=json.dumps(excluded))
-        elif r.outcome in ("node_lost", "interrupted", "agent_error"):
+        elif to == TrialState.NODE_LOST:
             self.state.move(tid, TrialState.NODE_LOST, r.message, attempt=aid)
-            if r.outcome == "interrupted" or self._retry_left(tid, sid, aid):
+            if r.outcome == Outcome.INTERRUPTED or self._retry_left(tid, sid, aid):
                 ckpt = self.stores.latest_checkpoint(tid)
                 self.state.move(tid, TrialState.PENDING, "resume from checkpoint step "
                                 f"{ckpt[0]}" if ckpt else "restart: no checkpoint yet", attempt=aid)
-        elif r.outcome == "cancelled":
+        elif to == TrialState.CANCELLED:
             self.state.move(tid, TrialState.CANCELLED, "cancelled", attempt=aid)
         else:
             self.state.move(tid, TrialState.FAILED, r.message or "failed", attempt=aid,
@@ -627,9 +615,8 @@ class Controller:
         self._maybe_done(sid)
 
     def _retry_left(self, tid: str, sid: str, aid: int) -> bool:
-        retries = self.state.one("SELECT retries FROM sweeps WHERE id = ?", (sid,))["retries"]
-        used = self.state.one("SELECT COUNT(*) AS n FROM attempts WHERE trial = ? AND "
-                              "outcome != 'interrupted'", (tid,))["n"]
+        retries = self.state.sweep(sid)["retries"]
+        used = self.state.charged_attempts(tid)
         if used > retries:
             self.state.move(tid, TrialState.FAILED, f"retries spent ({used} attempts, "
                             f"retries: {retries})", attempt=aid, message="retries spent")
@@ -637,21 +624,18 @@ class Controller:
         return True
 
     def _maybe_done(self, sid: str) -> None:
-        left = self.state.one("SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state NOT IN "
-                              "('SUCCEEDED','FAILED','CANCELLED')", (sid,))["n"]
-        s = self.state.one("SELECT state FROM sweeps WHERE id = ?", (sid,))
-        if left == 0 and s["state"] in (SweepState.RUNNING.value, SweepState.INTERRUPTED.value):
+        state = self.state.sweep(sid)["state"]
+        if state in (SweepState.RUNNING, SweepState.INTERRUPTED) and not self.state.unfinished(sid):
             self.state.set_sweep_state(sid, SweepState.DONE, "every trial finished")
 
     def reseal(self, sid: str | None = None) -> int:
         """Seal every ended attempt (of sweep `sid`, or all) whose seal failed before;
         returns how many are sealed now. One that fails again stays for next time."""
         done = 0
-        for a in self.state.q("SELECT id FROM attempts WHERE status = 'ended'"
-                              + (" AND sweep = ?" if sid else ""), (sid,) if sid else ()):
-            if not self.stores.is_sealed(a["id"]):
-                done += self.guarded(f"attempt {a['id']}: sealing it again", self._seal,
-                                     a["id"]) is not None
+        for aid in self.state.ended_attempts(sid):
+            if not self.stores.is_sealed(aid):
+                done += self.guarded(f"attempt {aid}: sealing it again", self._seal,
+                                     aid) is not None
         return done
 
     def _seal(self, aid: int) -> bool:
@@ -667,15 +651,18 @@ class Controller:
     def recover(self) -> None:
         """A new head over an old state.db: attempts that were in flight belong to a
         head that is gone. Close them, send their trials back to PENDING (resumed
-        from their last checkpoint), and hold their sweeps until `segctl resume`."""
-        for a in self.state.q("SELECT * FROM attempts WHERE status != 'ended'"):
+        from their last checkpoint), and hold their sweeps until `segctl resume`. A tune
+        goes on by itself: a class whose probe ran under the old head is queued again
+        for the points it had not measured; the classes that finished keep their end."""
+        for a in self.state.open_attempts():
             self.guarded(f"attempt {a['id']}: closing it after a restart", self.finish, a["id"],
-                         AttemptResult(attempt=a["id"], outcome="interrupted",
+                         AttemptResult(attempt=a["id"], outcome=Outcome.INTERRUPTED,
                                        message="the head restarted during this attempt"))
         self.reseal()
-        for s in self.state.q("SELECT id FROM sweeps WHERE state = 'RUNNING'"):
+        for s in self.state.running_sweeps():
             self.state.set_sweep_state(s["id"], SweepState.INTERRUPTED,
                                        "the head restarted; `segctl resume` continues it")
+        self.state.requeue_tunes()
 
 
 def _check_payload(payload: dict) -> None:
@@ -714,22 +701,13 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-def _write_input(path: Path, blob: bytes, sha: str) -> None:
-    """Keep a data file under its sha256. A copy already there is trusted only if
-    its bytes still hash to its name; a new one goes through a temp name of its
-    own (two submits at once never share one), is fsynced, then renamed in."""
-    if path.exists() and _sha256(path) == sha:
+def _write_input(path: Path, blob: bytes) -> None:
+    """Keep a data file under its sha256 (its name). A copy already there is trusted
+    only if its bytes still hash to its name; otherwise it is replaced atomically
+    (two submits of the same file at once each write aside under a name of their own)."""
+    if path.exists() and _sha256(path) == path.name:
         return
-    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, blob, mode=0o600)
 
 
 def _read_input(path: Path) -> bytes:

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from node.raynode import alive, is_ours, start_time
+from schemas.atomic import write_atomic
 
 LAB_ROOT = Path("/var/lib/segctl-lab")
 REPO = Path(__file__).resolve().parent.parent
@@ -630,9 +631,7 @@ def _read_state(root: Path) -> dict | None:
 
 
 def _write_state(root: Path, state: dict) -> None:
-    tmp = root / f".{STATE}.tmp"
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(root / STATE)
+    write_atomic(root / STATE, json.dumps(state, indent=1))
 
 
 def _last_line(text: str) -> str:

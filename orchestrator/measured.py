@@ -189,7 +189,9 @@ def match_key(row: dict) -> MatchKey:
 def read_plan(root: Path, model_key: str) -> list[dict]:
     """The plan table's rows of one model, the latest of each point."""
     folder = Path(root) / sr.TELEMETRY / sr.PLAN_TABLE / f"model={model_key}"
-    files = sorted(folder.glob("*.parquet")) if folder.is_dir() else []
+    # not a hidden one: a write cut short by a crash (schemas.atomic's temp name)
+    files = sorted(f for f in folder.glob("*.parquet")
+                   if not f.name.startswith(".")) if folder.is_dir() else []
     if not files:
         return []
     import pyarrow.parquet as pq

@@ -28,13 +28,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from schemas.cluster import DEFAULT_MARGIN
+from schemas.defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN,
+                              DEFAULT_MLP_CHUNK)
 from schemas.job import JobSpec
-from schemas.limits import check_model_config, load_json, read_model_config
+from schemas.limits import check_model_config, read_model_config
 from schemas.records import Plan
 
 GB = 1e9
@@ -144,19 +144,10 @@ def _act_bytes(weights: list[Path], cfg: dict) -> int:
     """Bytes per activation: the dtype holding most of the floating-point weights
     (MLX computes in the weights' dtype; a quantized model's scales carry it),
     read from the safetensors headers; config's torch_dtype only if they say nothing."""
+    from schemas.limits import safetensors_header
     by_dtype: dict[int, int] = {}
     for path in weights:
-        try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                # a header longer than the file is not a header (and would be read whole)
-                if n > path.stat().st_size - 8 or n > 100 << 20:
-                    raise ValueError("header length out of range")
-                header = load_json(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-        except (OSError, ValueError, struct.error):
-            raise ValueError(f"{path}: not a safetensors file") from None
+        header = safetensors_header(path)
         for name, t in header.items():
             if name != "__metadata__" and isinstance(t, dict) and t.get("dtype") in _DTYPE_BYTES:
                 shape = t.get("shape") or [1]
@@ -215,8 +206,8 @@ def method_key(job: JobSpec) -> str:
 # ---------------------------------------------------------------- the estimate
 
 def predict_gb(info: ModelInfo, *, seq_len: int, segment_size: int, lora_rank: int = 8,
-               lora_layers: int = -1, head_chunk: int = 512, attn_block: int = 2048,
-               grad_checkpoint: bool = False, method: str = "sft", mlp_chunk: int = 4096,
+               lora_layers: int = -1, head_chunk: int = DEFAULT_HEAD_CHUNK, attn_block: int = DEFAULT_ATTN_BLOCK,
+               grad_checkpoint: bool = False, method: str = "sft", mlp_chunk: int = DEFAULT_MLP_CHUNK,
                offload: bool = False) -> float:
     """Predicted peak GB of one training step on rows of up to `seq_len` tokens.
 
@@ -245,7 +236,7 @@ def offload_seconds(info: ModelInfo, *, seq_len: int, segment_size: int,
 
 def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers: int,
            head_chunk: int, attn_block: int, grad_checkpoint: bool, method: str,
-           mlp_chunk: int = 4096, offload: bool = False) -> list[float]:
+           mlp_chunk: int = DEFAULT_MLP_CHUNK, offload: bool = False) -> list[float]:
     """Predicted GB for segment sizes 1..top (index s-1), each at least the one
     before; [plain] when top is 0."""
     streams = {"sft": 1, "orpo-shared": 1, "orpo": 2, "dpo-shared": 1, "dpo": 2}.get(method)

@@ -1,9 +1,17 @@
-"""state.db: sweeps, trials, attempts and every transition, in SQLite (WAL).
+"""state.db: sweeps, trials, attempts, tunes and every transition, in SQLite (WAL).
 
 The head's controller is the only writer; `segctl status/logs/gather` open their
-own read connections (WAL lets them read while the head writes). Every state
-change of a trial goes through `move`, which checks it against the state machine
-in schemas/records.py and writes the events row in the same transaction.
+own read-only State (WAL lets them read while the head writes). Every query is a
+named method of State, so no other module knows the tables' columns. Every state
+change goes through a method that checks it against the state machines in
+schemas/records.py: `move` for a trial (writing its events row in the same
+transaction), `update_attempt` for an attempt, `move_tune_class` for a tune.
+
+Versions: `PRAGMA user_version` says how many of MIGRATIONS the file has. Opening
+it for writing runs the missing ones in order, in one transaction, then sets the
+version; a file written by a newer segctl is refused in one line. A file from
+before versions existed (user_version 0, the tables there) is version 1. A
+migration, once released, never changes: a change is a new one at the end.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from node.raynode import private_dir, private_file
-from schemas.records import MOVES, TERMINAL, SweepState, TrialState
+from schemas.records import (ATTEMPT_MOVES, MOVES, TERMINAL, TUNE_MOVES, TUNE_TERMINAL,
+                             AttemptStatus, Outcome, SweepState, TrialState, TuneState)
 
-SCHEMA = """
+# Version 1: the schema before versions existed, as it was (tests/fixtures/state_v1.sql).
+V1 = """
 CREATE TABLE IF NOT EXISTS sweeps (
   id TEXT PRIMARY KEY, name TEXT NOT NULL, path TEXT, spec TEXT NOT NULL,
   state TEXT NOT NULL, priority INTEGER NOT NULL, concurrency INTEGER,
@@ -50,6 +60,33 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_trial ON events(trial, id);
 """
 
+# Version 2: `segctl tune` runs, so that a head that restarts resumes them.
+V2 = """
+CREATE TABLE tunes (
+  id TEXT PRIMARY KEY, request TEXT NOT NULL,   -- what `segctl tune` sent (JSON)
+  state TEXT NOT NULL, started REAL NOT NULL, ended REAL);
+CREATE TABLE tune_classes (
+  tune TEXT NOT NULL REFERENCES tunes(id), node_class TEXT NOT NULL, idx INTEGER NOT NULL,
+  state TEXT NOT NULL, node TEXT,                -- node: the one measuring it (RUNNING)
+  points TEXT NOT NULL,           -- JSON [[seq_len, segment_size]], measured in this order
+  budget_gb REAL NOT NULL, done INTEGER NOT NULL DEFAULT 0, fits INTEGER NOT NULL DEFAULT 0,
+  reused INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
+  PRIMARY KEY (tune, node_class));
+"""
+
+MIGRATIONS = [V1, V2]   # MIGRATIONS[n] takes a file from version n to n + 1
+LATEST = len(MIGRATIONS)
+
+# The columns each reader gets, by name: no caller depends on the tables' order.
+SWEEP = "id, name, path, spec, state, priority, concurrency, retries, placement, created, ended"
+TRIAL = ("id, sweep, idx, params, job, model_info, seq_len, inputs, state, message, max_segment,"
+         " excluded, runnable_since, created, updated, final_loss, val_loss")
+ATTEMPT = ("id, trial, sweep, attempt_no, node, chip, segment_size, predicted_gb, budget_gb,"
+           " resume_step, status, outcome, message, placed, started, ended, pid, ready,"
+           " dispatch_s, step, loss, peak_gb, final_loss, val_loss")
+EVENT = "id, time, sweep, trial, attempt, from_state, to_state, reason"
+TUNE_CLASS = "tune, node_class, idx, state, node, points, budget_gb, done, fits, reused, error"
+
 
 class TransitionError(RuntimeError):
     """A move the state machine does not allow: a controller bug, never user input."""
@@ -74,12 +111,15 @@ LOCK_WAIT_S = 30.0        # how long a connection waits for another writer's loc
 
 
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
-    """A connection to state.db, checked: a corrupt, locked or foreign file is a
-    StateError here, not a traceback at some later query."""
+    """A connection to state.db, checked (and, for writing, migrated): a corrupt,
+    locked, foreign or newer file is a StateError here, not a traceback at some
+    later query."""
     OPENED.append(Path(path))
+    con = None
     try:
         if readonly:
             con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=LOCK_WAIT_S)
+            version(con, path)   # a newer file's tables may not mean what this code reads
         else:
             fresh = not path.exists()
             # Who trained what on which data is nobody else's business: 0700/0600,
@@ -93,20 +133,102 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
                     raise sqlite3.DatabaseError("it holds no sweeps table: another program's file")
             con.execute("PRAGMA journal_mode=WAL")
             con.execute("PRAGMA synchronous=NORMAL")
-            con.executescript(SCHEMA)
+            migrate(con, path)
         con.execute("SELECT id, state FROM sweeps LIMIT 1").fetchall()
-    except sqlite3.Error as e:
-        raise unusable(path, e) from None
+    except (sqlite3.Error, StateError) as e:
+        if con is not None:
+            con.close()
+        raise (e if isinstance(e, StateError) else unusable(path, e)) from None
     con.row_factory = sqlite3.Row
     return con
 
 
-class State:
-    """The writer. One connection shared by the head's threads behind a lock."""
+def version(con: sqlite3.Connection, path: Path) -> int:
+    """Which version the file is at; StateError when a newer segctl wrote it."""
+    have = con.execute("PRAGMA user_version").fetchone()[0]
+    if have > LATEST:
+        raise StateError(f"{path}: written by a newer segctl (state.db version {have}; this "
+                         f"segctl knows up to {LATEST}): upgrade segctl to use it")
+    if have == 0 and con.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'sweeps'").fetchone():
+        return 1   # made before state.db had versions: version 1's tables are there
+    return have
 
-    def __init__(self, path: Path, clock=time.time):
+
+def migrate(con: sqlite3.Connection, path: Path) -> None:
+    """Run the migrations the file lacks, in order, in one transaction: a crash or
+    an error leaves it at its old version, whole."""
+    if version(con, path) == LATEST:
+        return
+    con.execute("BEGIN IMMEDIATE")   # read again under the write lock: one head migrates
+    try:
+        for script in MIGRATIONS[version(con, path):]:
+            for statement in statements(script):
+                con.execute(statement)
+        con.execute(f"PRAGMA user_version = {LATEST}")
+        con.execute("COMMIT")
+    except BaseException:
+        if con.in_transaction:   # SQLite may have rolled it back itself (a full disk)
+            con.execute("ROLLBACK")
+        raise
+
+
+def statements(script: str) -> list[str]:
+    """A script's statements one by one (executescript would commit the open
+    transaction first); a `;` inside a comment or a string does not end one."""
+    out, pending = [], ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                out.append(pending)
+            pending = ""
+    return out
+
+
+def _placeholders(values: Iterable) -> tuple[str, tuple]:
+    values = tuple(values)
+    return ", ".join(["?"] * len(values)), values
+
+
+def _tune_state(classes: Iterable[str]) -> TuneState:
+    """A tune's state from its classes': RUNNING while one is unfinished, then
+    FAILED if one failed, CANCELLED if one was cancelled, else DONE."""
+    states = set(classes)
+    if states & {TuneState.QUEUED, TuneState.RUNNING}:
+        return TuneState.RUNNING
+    for end in (TuneState.FAILED, TuneState.CANCELLED):
+        if end in states:
+            return end
+    return TuneState.DONE
+
+
+def _update(con: sqlite3.Connection, table: str, key, value, fields: dict) -> None:
+    """UPDATE `table` SET the named `fields` WHERE its `key` column(s) equal `value`."""
+    keys, values = (key, value) if isinstance(key, tuple) else ((key,), (value,))
+    sets = ", ".join(f"{k} = :set_{k}" for k in fields)
+    where = " AND ".join(f"{k} = :key_{k}" for k in keys)
+    con.execute(f"UPDATE {table} SET {sets} WHERE {where}",
+                {**{f"set_{k}": v for k, v in fields.items()},
+                 **{f"key_{k}": v for k, v in zip(keys, values)}})
+
+
+def _event(con: sqlite3.Connection, now: float, sweep: str, trial: str | None,
+           attempt: int | None, frm, to, reason: str) -> None:
+    """The events row of one transition (states as their values)."""
+    con.execute("INSERT INTO events (time, sweep, trial, attempt, from_state, to_state, reason)"
+                " VALUES (?,?,?,?,?,?,?)",
+                (now, sweep, trial, attempt, getattr(frm, "value", frm), getattr(to, "value", to),
+                 reason))
+
+
+class State:
+    """state.db through named queries. The head's is the writer, one connection
+    shared by its threads behind a lock; `read` gives the CLI a read-only one."""
+
+    def __init__(self, path: Path, clock=time.time, *, readonly: bool = False):
         self.path = Path(path)
-        self.con = connect(self.path)
+        self.con = connect(self.path, readonly=readonly)
         self.lock = threading.RLock()
         self.clock = clock
 
@@ -122,6 +244,9 @@ class State:
         rows = self.q(sql, args)
         return rows[0] if rows else None
 
+    def close(self) -> None:
+        self.con.close()
+
     # -------------------------------------------------------------- sweeps
     def add_sweep(self, name: str, path: str, spec: dict, trials: list[dict]) -> str:
         """Record a sweep and its trials (all PENDING); returns the sweep id `name-N`."""
@@ -132,10 +257,12 @@ class State:
             while con.execute("SELECT 1 FROM sweeps WHERE id = ?", (sid,)).fetchone():
                 n += 1
                 sid = f"{name}-{n + 1}"
-            con.execute("INSERT INTO sweeps VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (sid, name, path, json.dumps(spec), SweepState.RUNNING.value,
-                         spec.get("priority", 0), spec.get("concurrency"), spec.get("retries", 3),
-                         json.dumps(spec.get("placement") or {}), now, None))
+            con.execute(
+                "INSERT INTO sweeps (id, name, path, spec, state, priority, concurrency, retries,"
+                " placement, created, ended) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (sid, name, path, json.dumps(spec), SweepState.RUNNING.value,
+                 spec.get("priority", 0), spec.get("concurrency"), spec.get("retries", 3),
+                 json.dumps(spec.get("placement") or {}), now, None))
             for t in trials:
                 tid = f"{sid}-{t['name']}"
                 con.execute(
@@ -145,13 +272,9 @@ class State:
                      json.dumps(t["model_info"]), t["seq_len"], json.dumps(t["inputs"]),
                      TrialState.PENDING.value,
                      now, now, now))
-                con.execute("INSERT INTO events (time, sweep, trial, attempt, from_state, to_state,"
-                            " reason) VALUES (?,?,?,?,?,?,?)",
-                            (now, sid, tid, None, None, TrialState.PENDING.value, "submitted"))
-            con.execute("INSERT INTO events (time, sweep, trial, attempt, from_state, to_state,"
-                        " reason) VALUES (?,?,?,?,?,?,?)",
-                        (now, sid, None, None, None, SweepState.RUNNING.value,
-                         f"submitted with {len(trials)} trials"))
+                _event(con, now, sid, tid, None, None, TrialState.PENDING, "submitted")
+            _event(con, now, sid, None, None, None, SweepState.RUNNING,
+                   f"submitted with {len(trials)} trials")
         return sid
 
     def set_sweep_state(self, sid: str, to: SweepState, reason: str) -> None:
@@ -162,8 +285,19 @@ class State:
                 return
             ended = now if to in (SweepState.DONE, SweepState.CANCELLED, SweepState.FAILED) else None
             con.execute("UPDATE sweeps SET state = ?, ended = ? WHERE id = ?", (to.value, ended, sid))
-            con.execute("INSERT INTO events (time, sweep, trial, attempt, from_state, to_state,"
-                        " reason) VALUES (?,?,?,?,?,?,?)", (now, sid, None, None, row[0], to.value, reason))
+            _event(con, now, sid, None, None, row[0], to, reason)
+
+    def sweep(self, sid: str) -> Optional[sqlite3.Row]:
+        return self.one(f"SELECT {SWEEP} FROM sweeps WHERE id = ?", (sid,))
+
+    def sweeps(self) -> list[sqlite3.Row]:
+        """Every sweep, the oldest first."""
+        return self.q(f"SELECT {SWEEP} FROM sweeps ORDER BY created")
+
+    def running_sweeps(self) -> list[sqlite3.Row]:
+        """The sweeps the controller places, in the order it serves them."""
+        return self.q(f"SELECT {SWEEP} FROM sweeps WHERE state = ? ORDER BY priority DESC, created",
+                      (SweepState.RUNNING.value,))
 
     # -------------------------------------------------------------- trials
     def move(self, tid: str, to: TrialState, reason: str, *, attempt: int | None = None,
@@ -178,14 +312,34 @@ class State:
             fields = dict(fields, state=to.value, updated=now)
             if to == TrialState.PENDING:
                 fields["runnable_since"] = now
-            sets = ", ".join(f"{k} = ?" for k in fields)
-            con.execute(f"UPDATE trials SET {sets} WHERE id = ?", (*fields.values(), tid))
-            con.execute("INSERT INTO events (time, sweep, trial, attempt, from_state, to_state,"
-                        " reason) VALUES (?,?,?,?,?,?,?)",
-                        (now, row["sweep"], tid, attempt, frm.value, to.value, reason))
+            _update(con, "trials", "id", tid, fields)
+            _event(con, now, row["sweep"], tid, attempt, frm, to, reason)
 
-    def trial(self, tid: str) -> sqlite3.Row:
-        return self.one("SELECT * FROM trials WHERE id = ?", (tid,))
+    def trial(self, tid: str) -> Optional[sqlite3.Row]:
+        return self.one(f"SELECT {TRIAL} FROM trials WHERE id = ?", (tid,))
+
+    def trials(self, sid: str, state: TrialState | None = None) -> list[sqlite3.Row]:
+        """A sweep's trials (those in `state` when given) in their sweep's order."""
+        if state is None:
+            return self.q(f"SELECT {TRIAL} FROM trials WHERE sweep = ? ORDER BY idx", (sid,))
+        return self.q(f"SELECT {TRIAL} FROM trials WHERE sweep = ? AND state = ? ORDER BY idx",
+                      (sid, state.value))
+
+    def count_trials(self, sid: str, states: Iterable[TrialState]) -> int:
+        marks, values = _placeholders(s.value for s in states)
+        return self.one(f"SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN ({marks})",
+                        (sid, *values))["n"]
+
+    def unfinished(self, sid: str) -> int:
+        """How many of a sweep's trials are not yet in a terminal state."""
+        return self.count_trials(sid, set(TrialState) - TERMINAL)
+
+    def serves_model(self, path: str) -> bool:
+        """Whether some trial trains, or some tune measures, the model folder `path`."""
+        jobs = self.q("SELECT DISTINCT job FROM trials")
+        requests = self.q("SELECT request FROM tunes")
+        return (any(json.loads(r["job"]).get("model") == path for r in jobs)
+                or any(json.loads(r["request"])["model"] == path for r in requests))
 
     # -------------------------------------------------------------- attempts
     def add_attempt(self, tid: str, *, node: str, chip: str, segment_size: int,
@@ -200,16 +354,182 @@ class State:
                 " predicted_gb, budget_gb, resume_step, status, placed, ready)"
                 " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (tid, t["sweep"], n + 1, node, chip, segment_size, predicted_gb, budget_gb,
-                 resume_step, "placed", now, ready))
+                 resume_step, AttemptStatus.PLACED.value, now, ready))
             return cur.lastrowid
 
     def update_attempt(self, aid: int, **fields: Any) -> None:
-        sets = ", ".join(f"{k} = ?" for k in fields)
+        """Set an attempt's fields; a change of `status` is checked against its moves."""
         with self.tx() as con:
-            con.execute(f"UPDATE attempts SET {sets} WHERE id = ?", (*fields.values(), aid))
+            if "status" in fields:
+                frm = AttemptStatus(con.execute("SELECT status FROM attempts WHERE id = ?",
+                                                (aid,)).fetchone()["status"])
+                to = AttemptStatus(fields["status"])
+                if to not in ATTEMPT_MOVES.get(frm, set()):
+                    raise TransitionError(f"attempt {aid}: {frm.value} -> {to.value} is not a "
+                                          "legal move")
+            _update(con, "attempts", "id", aid, fields)
 
-    def attempt(self, aid: int) -> sqlite3.Row:
-        return self.one("SELECT * FROM attempts WHERE id = ?", (aid,))
+    def attempt(self, aid: int) -> Optional[sqlite3.Row]:
+        return self.one(f"SELECT {ATTEMPT} FROM attempts WHERE id = ?", (aid,))
+
+    def attempts(self, tid: str) -> list[sqlite3.Row]:
+        """A trial's attempts, the first first."""
+        return self.q(f"SELECT {ATTEMPT} FROM attempts WHERE trial = ? ORDER BY id", (tid,))
+
+    def last_attempt(self, tid: str) -> Optional[sqlite3.Row]:
+        return self.one(f"SELECT {ATTEMPT} FROM attempts WHERE trial = ? ORDER BY id DESC LIMIT 1",
+                        (tid,))
+
+    def open_attempts(self, tid: str | None = None) -> list[sqlite3.Row]:
+        """Attempts not yet ended (of trial `tid`, or all)."""
+        sql = f"SELECT {ATTEMPT} FROM attempts WHERE status != ?"
+        if tid is None:
+            return self.q(sql + " ORDER BY id", (AttemptStatus.ENDED.value,))
+        return self.q(sql + " AND trial = ? ORDER BY id", (AttemptStatus.ENDED.value, tid))
+
+    def ended_attempts(self, sid: str | None = None) -> list[int]:
+        """Ids of the attempts that ended (of sweep `sid`, or all)."""
+        sql = "SELECT id FROM attempts WHERE status = ?"
+        if sid is None:
+            return [r["id"] for r in self.q(sql, (AttemptStatus.ENDED.value,))]
+        return [r["id"] for r in self.q(sql + " AND sweep = ?", (AttemptStatus.ENDED.value, sid))]
+
+    def charged_attempts(self, tid: str) -> int:
+        """A trial's ended attempts that count against its sweep's retries (an
+        interrupted one was the head's doing, not the trial's)."""
+        return self.one("SELECT COUNT(*) AS n FROM attempts WHERE trial = ? AND outcome IS NOT NULL"
+                        " AND outcome != ?", (tid, Outcome.INTERRUPTED.value))["n"]
+
+    # -------------------------------------------------------------- events, status
+    def events(self, after: int = 0, *, sweep: str | None = None,
+               trial: str | None = None) -> list[dict]:
+        """The transitions of one sweep (its trials' too) or of one trial, after event
+        id `after`, in order."""
+        key, value = ("trial", trial) if trial is not None else ("sweep", sweep)
+        return [dict(r) for r in self.q(
+            f"SELECT {EVENT} FROM events WHERE {key} = ? AND id > ? ORDER BY id", (value, after))]
+
+    def status(self, sid: str | None) -> list[dict]:
+        """Per sweep, per trial: state, the attempts (node, segment size, outcome, peak)."""
+        sweeps = self.sweeps() if sid is None else [self.sweep(sid)]
+        if sweeps == [None]:
+            raise KeyError(f"no sweep named {sid!r}")
+        out = []
+        for s in sweeps:
+            trials = []
+            for t in self.trials(s["id"]):
+                attempts = [dict(attempt=a["id"], attempt_no=a["attempt_no"], node=a["node"],
+                                 segment_size=a["segment_size"], predicted_gb=a["predicted_gb"],
+                                 status=a["status"], outcome=a["outcome"], message=a["message"],
+                                 step=a["step"], loss=a["loss"], peak_gb=a["peak_gb"],
+                                 resume_step=a["resume_step"], dispatch_s=a["dispatch_s"],
+                                 started=a["started"], ended=a["ended"])
+                            for a in self.attempts(t["id"])]
+                trials.append(dict(trial=t["id"], state=t["state"], params=json.loads(t["params"]),
+                                   message=t["message"], final_loss=t["final_loss"],
+                                   val_loss=t["val_loss"], attempts=attempts))
+            out.append(dict(sweep=s["id"], name=s["name"], state=s["state"], priority=s["priority"],
+                            created=s["created"], ended=s["ended"], trials=trials))
+        return out
+
+    # -------------------------------------------------------------- tunes
+    def add_tune(self, request: dict) -> str:
+        """Record a tune and its classes (QUEUED, or DONE when nothing is left to
+        measure); returns its id `tune-YYYYmmdd-HHMMSS-N`."""
+        now = self.clock()
+        stamp = f"tune-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+        with self.tx() as con:
+            n = 1
+            while con.execute("SELECT 1 FROM tunes WHERE id = ?", (f"{stamp}-{n}",)).fetchone():
+                n += 1
+            tid = f"{stamp}-{n}"
+            states = [TuneState.QUEUED if c["points"] else TuneState.DONE
+                      for c in request["classes"].values()]
+            to = _tune_state(states)
+            con.execute("INSERT INTO tunes (id, request, state, started, ended) VALUES (?,?,?,?,?)",
+                        (tid, json.dumps(request), to.value, now,
+                         now if to in TUNE_TERMINAL else None))
+            for i, ((cls, c), state) in enumerate(zip(request["classes"].items(), states)):
+                con.execute(
+                    "INSERT INTO tune_classes (tune, node_class, idx, state, points, budget_gb,"
+                    " reused) VALUES (?,?,?,?,?,?,?)",
+                    (tid, cls, i, state.value, json.dumps([list(p) for p in c["points"]]),
+                     c["budget_gb"], c.get("reused", 0)))
+        return tid
+
+    def tune(self, tid: str) -> Optional[dict]:
+        """A tune: id, request, state, started, ended and its classes {node class: row}
+        in the request's order; None when there is none of that id."""
+        row = self.one("SELECT id, request, state, started, ended FROM tunes WHERE id = ?", (tid,))
+        if row is None:
+            return None
+        classes = self.q(f"SELECT {TUNE_CLASS} FROM tune_classes WHERE tune = ? ORDER BY idx",
+                         (tid,))
+        return dict(row, request=json.loads(row["request"]),
+                    classes={c["node_class"]: dict(c, points=json.loads(c["points"]))
+                             for c in classes})
+
+    def queued_tune_classes(self) -> list[dict]:
+        """Every QUEUED class of every tune, the oldest tune first, with its tune's request."""
+        rows = self.q(
+            "SELECT tune_classes.tune AS tune, node_class, points, done, request FROM tune_classes"
+            " JOIN tunes ON tunes.id = tune_classes.tune WHERE tune_classes.state = ?"
+            " ORDER BY tunes.started, tunes.id, tune_classes.idx", (TuneState.QUEUED.value,))
+        return [dict(r, points=json.loads(r["points"]), request=json.loads(r["request"]))
+                for r in rows]
+
+    def tune_classes(self, tid: str, state: TuneState) -> list[sqlite3.Row]:
+        return self.q(f"SELECT {TUNE_CLASS} FROM tune_classes WHERE tune = ? AND state = ?"
+                      " ORDER BY idx", (tid, state.value))
+
+    def tune_class_on(self, tid: str, node: str) -> Optional[sqlite3.Row]:
+        """The class of tune `tid` that node `node` measures (a node has one class)."""
+        return self.one(f"SELECT {TUNE_CLASS} FROM tune_classes WHERE tune = ? AND node = ?",
+                        (tid, node))
+
+    def move_tune_class(self, tid: str, cls: str, to: TuneState, **fields: Any) -> None:
+        """Change one class's state (checked against TUNE_MOVES); the tune's own
+        state follows its classes' in the same transaction."""
+        with self.tx() as con:
+            row = con.execute("SELECT state FROM tune_classes WHERE tune = ? AND node_class = ?",
+                              (tid, cls)).fetchone()
+            frm = TuneState(row["state"])
+            if to not in TUNE_MOVES.get(frm, set()):
+                raise TransitionError(f"tune {tid}, {cls}: {frm.value} -> {to.value} is not a "
+                                      "legal move")
+            _update(con, "tune_classes", ("tune", "node_class"), (tid, cls),
+                    dict(fields, state=to.value))
+            self._settle_tune(con, tid)
+
+    def count_probe(self, tid: str, cls: str, fits: bool) -> None:
+        """One more point of a class measured."""
+        with self.tx() as con:
+            con.execute("UPDATE tune_classes SET done = done + 1, fits = fits + ?"
+                        " WHERE tune = ? AND node_class = ?", (int(bool(fits)), tid, cls))
+
+    def requeue_tunes(self) -> int:
+        """After a head restart: each class whose probe ran under the old head is
+        queued again (it measures the points still missing) or, when none is
+        missing, done. Returns how many go again."""
+        again = 0
+        for t in self.q("SELECT id FROM tunes WHERE state = ?", (TuneState.RUNNING.value,)):
+            for c in self.tune_classes(t["id"], TuneState.RUNNING):
+                left = len(json.loads(c["points"])) - c["done"]
+                self.move_tune_class(t["id"], c["node_class"],
+                                     TuneState.QUEUED if left > 0 else TuneState.DONE, node=None)
+                again += left > 0
+        return again
+
+    def _settle_tune(self, con: sqlite3.Connection, tid: str) -> None:
+        frm = TuneState(con.execute("SELECT state FROM tunes WHERE id = ?", (tid,)).fetchone()[0])
+        to = _tune_state(r[0] for r in con.execute(
+            "SELECT state FROM tune_classes WHERE tune = ?", (tid,)))
+        if to == frm:
+            return
+        if to not in TUNE_MOVES.get(frm, set()):
+            raise TransitionError(f"tune {tid}: {frm.value} -> {to.value} is not a legal move")
+        con.execute("UPDATE tunes SET state = ?, ended = ? WHERE id = ?",
+                    (to.value, self.clock() if to in TUNE_TERMINAL else None, tid))
 
 
 class _Tx:
@@ -230,44 +550,11 @@ class _Tx:
 
 # ------------------------------------------------------------------ read side
 
-def read(path: Path) -> sqlite3.Connection:
-    """A read-only connection for the CLI (fails clearly if there is no state yet)."""
+def read(path: Path) -> State:
+    """A read-only State for the CLI (fails clearly if there is no state yet)."""
     if not Path(path).exists():
         raise FileNotFoundError(f"{path}: no sweeps recorded here yet")
-    return connect(Path(path), readonly=True)
-
-
-def sweep_status(con: sqlite3.Connection, sid: str | None) -> list[dict]:
-    """Per sweep, per trial: state, the attempts (node, segment size, outcome, peak)."""
-    if sid is None:
-        sweeps = con.execute("SELECT * FROM sweeps ORDER BY created").fetchall()
-    else:
-        sweeps = con.execute("SELECT * FROM sweeps WHERE id = ?", (sid,)).fetchall()
-        if not sweeps:
-            raise KeyError(f"no sweep named {sid!r}")
-    out = []
-    for s in sweeps:
-        trials = []
-        for t in con.execute("SELECT * FROM trials WHERE sweep = ? ORDER BY idx", (s["id"],)):
-            attempts = [dict(attempt=a["id"], attempt_no=a["attempt_no"], node=a["node"],
-                             segment_size=a["segment_size"], predicted_gb=a["predicted_gb"],
-                             status=a["status"], outcome=a["outcome"], message=a["message"],
-                             step=a["step"], loss=a["loss"], peak_gb=a["peak_gb"],
-                             resume_step=a["resume_step"], dispatch_s=a["dispatch_s"],
-                             started=a["started"], ended=a["ended"])
-                        for a in con.execute("SELECT * FROM attempts WHERE trial = ? ORDER BY id",
-                                             (t["id"],))]
-            trials.append(dict(trial=t["id"], state=t["state"], params=json.loads(t["params"]),
-                               message=t["message"], final_loss=t["final_loss"],
-                               val_loss=t["val_loss"], attempts=attempts))
-        out.append(dict(sweep=s["id"], name=s["name"], state=s["state"], priority=s["priority"],
-                        created=s["created"], ended=s["ended"], trials=trials))
-    return out
-
-
-def trial_events(con: sqlite3.Connection, tid: str, after: int = 0) -> list[dict]:
-    return [dict(r) for r in con.execute(
-        "SELECT * FROM events WHERE trial = ? AND id > ? ORDER BY id", (tid, after))]
+    return State(Path(path), readonly=True)
 
 
 def is_terminal(state: str) -> bool:

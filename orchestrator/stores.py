@@ -43,7 +43,10 @@ from zarr.storage import LocalStore
 
 # private_dir / private_file: also what the head uses for inputs/ and state.db
 from node.raynode import alive, private_dir, private_file
+from orchestrator.state import LOCK_WAIT_S
 from schemas import store_rows as sr
+from schemas.atomic import fsync_dir
+from schemas.limits import safetensors_header
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -263,7 +266,7 @@ class Stores:
                 if write:
                     private_dir(self.root)
                     private_file(path)    # SQLite makes -wal and -shm with its mode
-                self._con = sqlite3.connect(path, timeout=30, isolation_level=None,
+                self._con = sqlite3.connect(path, timeout=LOCK_WAIT_S, isolation_level=None,
                                             check_same_thread=False)
             if write and not self._writer:
                 for p in (path, path.with_name(path.name + "-wal"),
@@ -326,7 +329,8 @@ class Stores:
         return zarr.open_group(store=LocalStore(self.root / sr.adapter_group(trial),
                                                 read_only=True), mode="r")
 
-    # ---- atomic placement: build under .staging/, fsync, rename into place
+    # ---- atomic placement: a file through private_file (schemas.atomic); a zarr
+    # ---- node built under .staging/, fsynced, renamed into place
 
     def _temp(self, kind: str) -> Path:
         """A fresh temp path under .staging/ (named by pid: a later writer clears it)."""
@@ -343,21 +347,18 @@ class Stores:
                     _rmtree(p)
 
     def _put_parquet(self, table: pa.Table, path: Path) -> None:
-        """Write a Parquet file; an identical file already there is left untouched."""
-        tmp = self._temp("parquet")
+        """Write a Parquet file (owner-only, atomically); an identical file already
+        there is left untouched."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        data = sink.getvalue().to_pybytes()
+        private_dir(path.parent)
         try:
-            with open(private_file(tmp), "wb") as f:
-                pq.write_table(table, f)
-                f.flush()
-                os.fsync(f.fileno())
-            private_dir(path.parent)
-            if path.exists() and filecmp.cmp(tmp, path, shallow=False):
-                tmp.unlink()
-            else:
-                os.replace(tmp, path)
-                _fsync_dir(path.parent)
-        finally:
-            tmp.unlink(missing_ok=True)
+            if path.stat().st_size == len(data) and path.read_bytes() == data:
+                return
+        except FileNotFoundError:
+            pass
+        private_file(path, data)
 
     def _put_memory(self, sweep, trial, attempt, peaks, labels, steps, *, node, segment_size):
         target = self.root / sr.memory_array(sweep, trial, attempt)
@@ -379,7 +380,7 @@ class Stores:
                     return
                 self._remove(target)
             os.rename(tmp, target)
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
         finally:
             _rmtree(tmp)
 
@@ -395,6 +396,7 @@ class Stores:
             zarr.open_group(store=LocalStore(tmp), mode="w")
             _settle_tree(tmp)
             os.rename(tmp, path)
+            fsync_dir(path.parent)
         except OSError:
             if not (path / "zarr.json").is_file():
                 raise
@@ -506,14 +508,9 @@ def read_safetensors(blob: bytes) -> tuple[str, dict[str, tuple[str, tuple, np.n
     """(header JSON text, name -> (dtype code, shape, values as stored in zarr)), in the
     file's data order. BF16 values come widened to float32 (exact)."""
     blob = bytes(blob)
-    try:
-        n = int.from_bytes(blob[:8], "little")
-        header_text = blob[8:8 + n].decode("utf-8")
-        header = json.loads(header_text)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"adapters.safetensors: unreadable header ({e})") from None
-    if len(blob) < 8 or not isinstance(header, dict):
-        raise ValueError("adapters.safetensors: not a safetensors file")
+    header = safetensors_header(blob, "adapters.safetensors")
+    n = int.from_bytes(blob[:8], "little")
+    header_text = blob[8:8 + n].decode("utf-8")   # kept as it was: the file is rebuilt byte for byte
     header.pop("__metadata__", None)
     base, tensors = 8 + n, {}
     try:
@@ -592,15 +589,6 @@ def _settle_tree(root: Path) -> None:
             os.chmod(path, 0o600)
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename into `folder` survive a power cut, not only a crash."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rmtree(path: Path) -> None:

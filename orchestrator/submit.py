@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from schemas.cluster import DEFAULT_MARGIN, DEFAULT_SCALE
 from schemas.records import NodeInfo
 from schemas.sweep import Sweep
 
@@ -69,7 +70,8 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None) ->
             if key not in fitted:
                 fitted[key] = measured.models_of(measured.read_plan(root, key)) if root else {}
             p = planner.plan(info, job, seq_len=t["seq_len"], budget_gb=n.memory_gb,
-                             margin=knobs.get("margin", planner.DEFAULT_MARGIN), scale=knobs.get("scale", 1.0),
+                             margin=knobs.get("margin", DEFAULT_MARGIN),
+                             scale=knobs.get("scale", DEFAULT_SCALE),
                              measured=fitted[key].get(planner.tune_key(job, cls)))
             per[cls] = {"fits": p.fits, "segment_size": p.segment_size,
                         "predicted_gb": round(p.predicted_gb, 4), "source": p.source,

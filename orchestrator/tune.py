@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from schemas.atomic import write_atomic
 from schemas.job import JobSpec, LoraSpec, MemorySpec
 from schemas.records import NodeInfo
 
@@ -72,7 +73,8 @@ def request(job: JobSpec, info: planner.ModelInfo, *, seq_lens: list[int], sizes
                 n_layers=info.n_layers, method=job.method,
                 prefix_shared=job.prefix_shared, method_key=planner.method_key(job),
                 lora=job.lora.model_dump(), head_chunk=job.memory.head_chunk,
-                attn_block=job.memory.attn_block, steps=steps, classes=classes,
+                attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk, steps=steps,
+                classes=classes,
                 seq_lens=seq_lens, sizes=sizes)
 
 
@@ -168,8 +170,7 @@ def plot(rep: dict, path: Path, n_layers: int, fitted: dict, job: JobSpec) -> Pa
                  "guard (x), fitted model (lines)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    try:
+        return write_atomic(path, write=lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)

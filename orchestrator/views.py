@@ -10,9 +10,14 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-SHORT = {"succeeded": "ok", "node_lost": "lost", "interrupted": "intr", "cancelled": "cancel"}
-STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "dim", "RUNNING": "cyan",
-               "PLACED": "cyan", "OOM": "yellow", "NODE_LOST": "yellow", "PENDING": ""}
+from schemas.records import Outcome, TrialState
+
+# An attempt's outcome in the attempts column (the others as they are).
+SHORT = {Outcome.SUCCEEDED: "ok", Outcome.NODE_LOST: "lost", Outcome.INTERRUPTED: "intr",
+         Outcome.CANCELLED: "cancel"}
+STATE_STYLE = {TrialState.SUCCEEDED: "green", TrialState.FAILED: "red", TrialState.CANCELLED: "dim",
+               TrialState.RUNNING: "cyan", TrialState.PLACED: "cyan", TrialState.OOM: "yellow",
+               TrialState.NODE_LOST: "yellow", TrialState.PENDING: ""}
 
 
 def console() -> Console:

@@ -14,11 +14,9 @@ from .errors import SpecError
 from .limits import (HOST_PATTERN, LABEL_KEY_PATTERN, LABEL_PATTERN, MAX_HOST_CHARS, MAX_LABEL_CHARS,
                      MAX_MEMORY_GB, MAX_PORT, MAX_TRIALS_PER_NODE, NODE_NAME_PATTERN, check_path,
                      one_line)
-
-# Trials a node runs at once unless its entry says otherwise: small trials share
-# a machine (the planner still keeps their predicted peaks within its budget).
-DEFAULT_MAX_TRIALS = 2
-DEFAULT_MARGIN = 0.15   # fraction of a node's budget the planner keeps free
+# (schemas.cluster.DEFAULT_MARGIN and DEFAULT_MAX_TRIALS are these, for those who import them here)
+from .defaults import (DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_PORT, DEFAULT_SCALE,
+                       DEFAULT_STORES)
 from .yamlspec import line_of, load_yaml, not_a_mapping, problem
 
 # Node labels become Ray node labels; these come from the node itself (NodeInfo.matches).
@@ -61,15 +59,15 @@ Host = Annotated[str, AfterValidator(_host)]
 
 class HeadSpec(Strict):
     address: Host = Field("auto", description="the head's address nodes join; auto = this machine's")
-    port: int = Field(6379, ge=1, le=MAX_PORT, description="Ray GCS port")
+    port: int = Field(DEFAULT_PORT, ge=1, le=MAX_PORT, description="Ray GCS port")
     stores: Annotated[str, AfterValidator(check_path)] = Field(
-        "~/.segctl", description="stores root on the head (state.db, telemetry/, memory.zarr, "
+        DEFAULT_STORES, description="stores root on the head (state.db, telemetry/, memory.zarr, "
                                  "adapters.zarr)")
 
 
 class PlannerSpec(Strict):
     margin: float = Field(DEFAULT_MARGIN, ge=0, lt=1, description="fraction of a node's budget kept free")
-    scale: float = Field(1.0, gt=0, description="multiplies the analytic peak estimate")
+    scale: float = Field(DEFAULT_SCALE, gt=0, description="multiplies the analytic peak estimate")
 
 
 class NodeSpec(Strict):

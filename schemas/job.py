@@ -8,6 +8,8 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_serializer, model_validator)
 
+from .defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_LENGTH,
+                       DEFAULT_MLP_CHUNK)
 from .limits import (MAX_HIDDEN, MAX_LAYERS, MAX_MEMORY_GB, MAX_NAME_CHARS, MAX_SEED, MAX_STEPS,
                      MAX_TOKENS, NAME_PATTERN, check_path)
 from .yamlspec import load_yaml, validate
@@ -32,7 +34,8 @@ class DataSpec(Strict):
     train: PathStr = Field(description="jsonl of training rows (text | prompt+completion | messages)")
     valid: Optional[PathStr] = Field(None, description="jsonl of validation rows")
     mask_prompt: bool = Field(True, description="loss on the response only (else on every token)")
-    max_seq_length: int = Field(2048, ge=2, le=MAX_TOKENS, description="tokens per row at most")
+    max_seq_length: int = Field(DEFAULT_MAX_SEQ_LENGTH, ge=2, le=MAX_TOKENS,
+                                description="tokens per row at most")
     overlong: Literal["truncate", "skip"] = Field(
         "truncate", description="what happens to a longer row; counted in telemetry either way")
 
@@ -78,12 +81,12 @@ class MemorySpec(Strict):
         1, description="layers per segment; 0 = plain autodiff; auto = the largest that the "
                        "memory planner predicts fits the budget")
     grad_checkpoint: bool = Field(False, description="with segment_size 0: per-layer recompute")
-    head_chunk: int = Field(512, ge=1, le=MAX_TOKENS,
+    head_chunk: int = Field(DEFAULT_HEAD_CHUNK, ge=1, le=MAX_TOKENS,
                             description="token positions per loss-head chunk")
-    attn_block: int = Field(2048, ge=0, le=MAX_TOKENS,
+    attn_block: int = Field(DEFAULT_ATTN_BLOCK, ge=0, le=MAX_TOKENS,
                             description="segmented: on rows longer than this, attention backward "
                                         "in blocks of this many query rows; 0 = off")
-    mlp_chunk: int = Field(4096, ge=0, le=MAX_TOKENS,
+    mlp_chunk: int = Field(DEFAULT_MLP_CHUNK, ge=0, le=MAX_TOKENS,
                            description="segmented: on rows longer than this, each layer's MLP "
                                        "runs this many rows at a time, forward and backward; "
                                        "0 = off")

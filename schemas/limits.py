@@ -9,8 +9,10 @@ them in step).
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import re
 import stat
 from pathlib import Path
@@ -61,6 +63,7 @@ MAX_HEADS = 1024               # attention and key/value heads
 MAX_HEAD_DIM = 4096            # head_dim
 MAX_POSITIONS = 1 << 26        # max_position_embeddings, sliding_window
 MAX_EXPERTS = 4096             # MoE experts (and experts per token)
+MAX_SAFETENSORS_HEADER_BYTES = 100 << 20   # a *.safetensors file's JSON header (tensor names, shapes)
 # model_type names an mlx-lm module (some have '-': nemotron-nas) and the tune table's folder
 MODEL_TYPE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_-]*$"
 
@@ -141,6 +144,45 @@ def read_model_config(folder: str | Path) -> dict:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     check_model_config(config, str(path))
     return config
+
+
+def safetensors_header(source: str | Path | bytes, where: str | None = None) -> dict:
+    """The JSON header of a safetensors file, parsed (load_json): tensor name ->
+    {dtype, shape, data_offsets}, and "__metadata__". `source` is the file's path
+    (only the header is read) or its bytes (`where` then names it in messages).
+    Its length is checked against the file's size and MAX_SAFETENSORS_HEADER_BYTES
+    before anything is read; the tensors' data starts 8 + that length in. Raises
+    ValueError("<where>: not a safetensors file (<why>)"), one line."""
+    blob = source if isinstance(source, (bytes, bytearray, memoryview)) else None
+    where = where or ("safetensors" if blob is not None else str(source))
+    try:
+        if blob is not None:
+            header = _safetensors_header(io.BytesIO(blob), len(blob))
+        else:
+            st = os.stat(source)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            with open(source, "rb") as f:
+                header = _safetensors_header(f, os.fstat(f.fileno()).st_size)
+    except OSError as e:
+        raise ValueError(one_line(f"{where}: not a safetensors file ({e.strerror or e})")) from None
+    except ValueError as e:
+        raise ValueError(one_line(f"{where}: not a safetensors file ({e})")) from None
+    return header
+
+
+def _safetensors_header(f, size: int) -> dict:
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    n = int.from_bytes(head, "little")
+    # a header longer than the file is not a header (and would be read whole)
+    if n > size - 8 or n > MAX_SAFETENSORS_HEADER_BYTES:
+        raise ValueError(f"header length {n} out of range")
+    header = load_json(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header
 
 
 def read_bounded(path: Path, limit: int) -> bytes:

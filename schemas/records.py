@@ -8,6 +8,13 @@ The state machine (docs/design.md):
                              |-> NODE_LOST  -> PENDING (resume from checkpoint)
                              |-> FAILED     (bad data, bad model, retries spent)
     any non-terminal -> CANCELLED
+
+An attempt is PLACED -> RUNNING -> ENDED (or PLACED -> ENDED when it never
+started), and ends with an Outcome; OUTCOME_MOVES says which state its trial
+moves to then. A tune (`segctl tune`) runs per node class QUEUED -> RUNNING ->
+DONE | FAILED | CANCELLED; a head restart sends a RUNNING class back to QUEUED.
+Every table here is enforced where state.db is written (orchestrator/state.py):
+a move that is not in it is a controller bug and raises.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Optional
 
 from pydantic import BaseModel, Field
 
+from .defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK
 from .job import LoraSpec, Method
 
 
@@ -52,10 +60,64 @@ class SweepState(str, Enum):
     FAILED = "FAILED"            # the sweep itself could not go on (e.g. its model cannot be planned)
 
 
-# How an attempt ended, as the node agent reports it.
-# "interrupted": the head restarted under a running attempt (not the trial's
-# fault, so it does not count against the sweep's retries).
-OUTCOMES = ("succeeded", "oom", "node_lost", "failed", "cancelled", "interrupted")
+class AttemptStatus(str, Enum):
+    PLACED = "placed"      # recorded and handed to its node's agent
+    RUNNING = "running"    # its engine process started
+    ENDED = "ended"        # it has an outcome
+
+
+ATTEMPT_MOVES = {
+    AttemptStatus.PLACED: {AttemptStatus.RUNNING, AttemptStatus.ENDED},
+    AttemptStatus.RUNNING: {AttemptStatus.ENDED},
+}
+
+
+class Outcome(str, Enum):
+    """How an attempt ended, as the node agent reports it (or the head, for what
+    happened around the agent). The values are what state.db and `--json` hold."""
+    SUCCEEDED = "succeeded"
+    OOM = "oom"
+    NODE_LOST = "node_lost"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    # The head restarted under a running attempt: not the trial's fault, so it
+    # does not count against the sweep's retries.
+    INTERRUPTED = "interrupted"
+    # The agent failed around the attempt (its disk, a refused call, the head
+    # unable to store the adapter): retried like a lost node.
+    AGENT_ERROR = "agent_error"
+
+
+OUTCOMES = tuple(o.value for o in Outcome)   # as plain strings (schemas/store_rows.py)
+# The state an attempt's outcome moves its trial to (head.Controller.finish), before
+# the retry decides whether OOM and NODE_LOST go on to PENDING.
+OUTCOME_MOVES = {
+    Outcome.SUCCEEDED: TrialState.SUCCEEDED,
+    Outcome.OOM: TrialState.OOM,
+    Outcome.NODE_LOST: TrialState.NODE_LOST,
+    Outcome.INTERRUPTED: TrialState.NODE_LOST,
+    Outcome.AGENT_ERROR: TrialState.NODE_LOST,
+    Outcome.FAILED: TrialState.FAILED,
+    Outcome.CANCELLED: TrialState.CANCELLED,
+}
+
+
+class TuneState(str, Enum):
+    """Where one node class of a `segctl tune` stands, and the tune as a whole
+    (RUNNING while any class is QUEUED or RUNNING, then how its classes ended)."""
+    QUEUED = "queued"        # waiting for a free node of its class
+    RUNNING = "running"      # a node of the class is measuring its points
+    DONE = "done"            # every point measured (or none was needed)
+    FAILED = "failed"        # its probes failed, or no node of the class is up
+    CANCELLED = "cancelled"
+
+
+TUNE_TERMINAL = {TuneState.DONE, TuneState.FAILED, TuneState.CANCELLED}
+TUNE_MOVES = {
+    # the head restarted under a running probe: queued again, it measures what is left
+    TuneState.RUNNING: {TuneState.DONE, TuneState.FAILED, TuneState.CANCELLED, TuneState.QUEUED},
+    TuneState.QUEUED: {TuneState.RUNNING, TuneState.FAILED, TuneState.CANCELLED},
+}
 
 
 class Plan(BaseModel):
@@ -108,9 +170,9 @@ class ProbeSpec(BaseModel):
     method: Method = "sft"
     prefix_shared: bool = True       # orpo, dpo: one pass over [prompt | chosen | rejected]
     lora: LoraSpec = LoraSpec()
-    head_chunk: int = 512
-    attn_block: int = 2048
-    mlp_chunk: int = 4096
+    head_chunk: int = DEFAULT_HEAD_CHUNK
+    attn_block: int = DEFAULT_ATTN_BLOCK
+    mlp_chunk: int = DEFAULT_MLP_CHUNK
     budget_gb: float
     points: list[tuple[int, int]]    # (seq_len, segment_size), measured in this order
     steps: int = Field(3, ge=1, description="steps per point; the first is not timed")
@@ -120,7 +182,7 @@ class ProbeSpec(BaseModel):
 class AttemptResult(BaseModel):
     """What a node agent returns when an attempt ends."""
     attempt: int
-    outcome: str
+    outcome: Outcome
     message: str = ""
     exit_code: Optional[int] = None
     peak_gb: Optional[float] = None

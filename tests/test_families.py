@@ -18,19 +18,13 @@ import pytest
 from engine import Example, loss_and_grads
 from engine.model import ModelError, check_length, model_parts
 from tests.zoo import families, tiny_model
-from tests.conftest import random_lora
+from tests.conftest import WIDE, random_lora
 
 TOL = 1e-4
 BLOCK = 16
 CHUNK = 11   # MLP rows per chunk: divides no row length here
 
 
-# Families whose tiny random instance amplifies float32 rounding: a forward that
-# runs its MLP in chunks of rows rounds each row as a matmul of that many rows
-# does, one ulp away from the whole row's, and these turn that into ~5e-4 of
-# gradient. They are compared in float64, where the same steps agree to ~3e-7
-# (against ~3e-3 at float32, and whatever the chunking), so a wrong step still shows.
-WIDE = {"gemma4", "gemma4_text"}
 
 
 def _lora(model, family):

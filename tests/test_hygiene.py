@@ -303,7 +303,12 @@ def test_a_recorded_pid_that_is_another_process_now_is_left_alone(tmp_path):
     proc = sleeper(f"{sys.executable} -m ray.scripts.scripts start --address=x --block")
     other = sleeper()
     try:
-        time.sleep(0.1)
+        for p in (proc, other):   # bash has exec'd: the command line is argv0's, not bash's
+            deadline = time.monotonic() + 30
+            while subprocess.run(["ps", "-o", "comm=", "-p", str(p.pid)], capture_output=True,
+                                 text=True).stdout.strip() != "sleep":
+                assert time.monotonic() < deadline and p.poll() is None
+                time.sleep(0.01)
         started = raynode.start_time(proc.pid)
         assert started and started == raynode.start_time(proc.pid)
         assert raynode.is_ours(proc.pid, None), "a command-line check alone would take it"

@@ -182,18 +182,20 @@ def test_memory_zarr_holds_per_phase_peaks(tmp_path):
     assert_no_temp(root)
 
 
-def test_ingest_rate(tmp_path):
+def test_ingest_in_agent_batches_keeps_each_row_once(tmp_path):
+    """How fast ingest goes is bench/orchestrator.py's to measure (`ingest`); this
+    holds what it does at the agents' batch size: every row committed once, and a
+    re-delivered (overlapping) batch adds nothing."""
     st = Stores(tmp_path / "stores")
-    rows = [e for e in run_events(1, 60_000) if e["event"] == "step"][:50_000]
+    rows = [e for e in run_events(1, 20_000) if e["event"] == "step"]
     for i, e in enumerate(rows):
         e["seq"] = i
-    tic = time.perf_counter()
-    for k in range(0, len(rows), 500):                   # the node agent's batch size
-        st.ingest("sw-1", "sw-1-t000", 1, rows[k:k + 500])
-    rate = len(rows) / (time.perf_counter() - tic)
-    print(f"\ningest: {rate:,.0f} step rows/s (batches of 500, committed)")
-    assert rate >= 10_000
-    assert len(st.events(1, after_seq=49_990)) == 9
+    new = [st.ingest("sw-1", "sw-1-t000", 1, rows[k:k + 500])   # the node agent's batch size
+           for k in range(0, len(rows), 500)]
+    assert new == [500] * 40
+    assert st.ingest("sw-1", "sw-1-t000", 1, rows[9_750:10_250]) == 0   # a batch sent again
+    assert staging_rows(tmp_path / "stores", 1) == 20_000
+    assert Stores(tmp_path / "stores").events(1, after_seq=19_990) == rows[19_991:]
 
 
 # ------------------------------------------------------------------ crash safety
@@ -202,8 +204,27 @@ SEAL_SCRIPT = """
 import sys
 from pathlib import Path
 from orchestrator.stores import Stores
-print("ready", flush=True)
-Stores(Path(sys.argv[1])).seal_attempt("sw-1", "sw-1-t000", 1, {"attempt_no": 1, "steps": 20000})
+
+# Say where the seal is, on stdout, as it goes: the test kills it at one of these lines.
+put_parquet, put_dir = Stores._put_parquet, Stores._put_dir
+def say(line):
+    print(line, flush=True)
+def parquet(self, table, path):
+    say(f"building {path.parent.parent.name}")    # telemetry/<table>/sweep=.../attempt-N.parquet
+    put_parquet(self, table, path)
+    say(f"placed {path.parent.parent.name}")
+def node(self, target, write):
+    say("building memory")
+    put_dir(self, target, write)
+    say("placed memory")
+Stores._put_parquet, Stores._put_dir = parquet, node
+
+st = Stores(Path(sys.argv[1]))
+st.ingest("sw-1", "sw-1-t000", 1, [])      # set up, the attempt known: no lock needed till the end
+say("ready")
+sys.stdin.readline()
+st.seal_attempt("sw-1", "sw-1-t000", 1, {"attempt_no": 1, "steps": 20000})
+say("sealed")
 """
 
 
@@ -212,14 +233,32 @@ def test_a_crash_during_seal_leaves_nothing_half_written(tmp_path):
     st = Stores(root)
     events = run_events(1, 20_000, evals=(10_000,))
     st.ingest("sw-1", "sw-1-t000", 1, events)
-    for delay in (0.2, 0.8, 1.6):
+    # Killed as it starts the first file, with two files in place and the third
+    # being built, and as the memory array is built. The test holds staging.db's
+    # write lock meanwhile, so the seal cannot commit before its kill comes: each
+    # kill lands in the middle, whatever the machine's speed.
+    for at in ("building steps", "placed evals", "building memory"):
         proc = subprocess.Popen([sys.executable, "-c", SEAL_SCRIPT, str(root)], env=cli_env(),
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        lock = sqlite3.connect(root / sr.STAGING_DB, isolation_level=None)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            lock.execute("BEGIN IMMEDIATE")
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            said = []
+            while at not in said:   # a child stuck behind the lock gives up after 30 s, and says so
+                said.append(proc.stdout.readline().strip())
+                assert said[-1] and said[-1] != "sealed", (at, said)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            proc.stdout.close()
+            proc.stdin.close()
+            if lock.in_transaction:
+                lock.execute("ROLLBACK")
+            lock.close()
+        assert proc.returncode == -signal.SIGKILL
         # whatever a reader sees is whole: every Parquet file reads, every zarr node opens
         for table in ("steps", "evals", "attempts"):
             if (root / "telemetry" / table).exists():
@@ -227,9 +266,9 @@ def test_a_crash_during_seal_leaves_nothing_half_written(tmp_path):
         mem = root / sr.memory_array("sw-1", "sw-1-t000", 1)
         if mem.exists():
             assert zarr.open_array(mem, mode="r")[...].shape == (20_000, len(PHASES))
-        assert not Stores(root).is_sealed(1) or mem.exists()
-        # sealed and pruned together: rows all there, or none and the attempt sealed
-        assert staging_rows(root, 1) == (0 if Stores(root).is_sealed(1) else len(events))
+        # never sealed: every row still in staging, to seal again
+        assert not Stores(root).is_sealed(1) and staging_rows(root, 1) == len(events)
+        assert Stores(root).events(1) == events
 
     # what a writer killed in the middle of building leaves under .staging/
     dead = subprocess.Popen(["true"])

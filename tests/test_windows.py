@@ -21,7 +21,7 @@ from engine.data import PreferenceExample
 from engine.model import model_parts
 from engine.step import eval_loss
 from tests.test_step import TOL, worst_rel_error
-from tests.conftest import random_lora
+from tests.conftest import WIDE, random_lora
 
 W = 8
 PAIR = ["sliding_attention", "full_attention"]
@@ -57,7 +57,10 @@ def tiny(name: str, **extra):
     if name == "gpt_oss":  # sinks start at zero; give them weight so they matter
         model.update({"model": {"layers": [{"self_attn": {"sinks": mx.random.normal((4,))}}
                                            for _ in model.layers]}})
-    return random_lora(model)
+    random_lora(model)
+    if name in WIDE:
+        model.set_dtype(mx.float64)
+    return model
 
 
 def tokens(n, seed):

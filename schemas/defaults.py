@@ -1,0 +1,27 @@
+"""The default of every knob that more than one package spells out, in one
+place: the specs' Field defaults (schemas/job.py, schemas/cluster.py) are these
+names, and so are the keyword defaults of the functions that take the same knob
+(engine, planner, CLI). Stdlib only: the engine imports it where only MLX is
+installed."""
+
+from __future__ import annotations
+
+# ------------------------------------------------------------------ job.yaml
+
+DEFAULT_MAX_SEQ_LENGTH = 2048   # data.max_seq_length: tokens per row at most
+DEFAULT_HEAD_CHUNK = 512        # memory.head_chunk: token positions per loss-head chunk
+DEFAULT_ATTN_BLOCK = 2048       # memory.attn_block: query rows per attention-backward block
+DEFAULT_MLP_CHUNK = 4096        # memory.mlp_chunk: rows per MLP chunk on long rows
+
+# ------------------------------------------------------------------ cluster.yaml
+
+DEFAULT_PORT = 6379             # head.port: Ray's GCS port
+DEFAULT_STORES = "~/.segctl"    # head.stores, and $SEGCTL_HOME when unset
+DEFAULT_MARGIN = 0.15           # planner.margin: fraction of a node's budget kept free
+DEFAULT_SCALE = 1.0             # planner.scale: multiplies the analytic peak estimate
+# Trials a node of a cluster file runs at once unless its entry says otherwise:
+# small trials share a machine (the planner still keeps their predicted peaks
+# within its budget).
+DEFAULT_MAX_TRIALS = 2
+# ... and one started by hand (`segctl node start`), or whose labels do not say.
+DEFAULT_NODE_MAX_TRIALS = 1
