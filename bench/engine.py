@@ -37,12 +37,12 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.model import apply_lora, model_parts
-from engine.optim import apply_grads, make_optimizer
-from engine.step import loss_and_grads
-from engine.data import Example, PreferenceExample
-from engine.demo import FAMILY_CONFIGS
-from schemas.defaults import DEFAULT_HEAD_CHUNK
+from segctl.engine.model import apply_lora, model_parts
+from segctl.engine.optim import apply_grads, make_optimizer
+from segctl.engine.step import loss_and_grads
+from segctl.engine.data import Example, PreferenceExample
+from segctl.engine.demo import FAMILY_CONFIGS
+from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
 
 def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0, *,

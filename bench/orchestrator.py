@@ -42,7 +42,7 @@ def _cores() -> int:
 
 def segctl(*args, timeout=900):
     from tests.conftest import cli_env
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "segctl.orchestrator.cli", *map(str, args)],
                           capture_output=True, text=True, env=cli_env(), timeout=timeout)
 
 
@@ -54,7 +54,7 @@ def step_events(n: int, seq0: int = 0) -> list[dict]:
 
 
 def bench_ingest_stores(rows: int, batch: int) -> None:
-    from orchestrator.stores import Stores
+    from segctl.orchestrator.stores import Stores
     with tempfile.TemporaryDirectory() as d:
         stores = Stores(Path(d))
         events = step_events(rows)
@@ -74,7 +74,7 @@ def bench_ingest_stores(rows: int, batch: int) -> None:
 
 
 def bench_fleet(nodes: int, trials: int, iters: int, rows: int, batch: int, port: int) -> None:
-    from engine.demo import write_demo
+    from segctl.engine.demo import write_demo
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         write_demo(d / "demo", "qwen3", n_train=60, n_valid=8)
@@ -125,9 +125,9 @@ def bench_ingest_head(d: Path, aid: int, rows: int, batch: int) -> None:
 import json, sys, time, ray
 sys.path.insert(0, {str(ROOT)!r})
 from bench.orchestrator import step_events
-from orchestrator import fleet
-from orchestrator.head import get_head
-from schemas.cluster import load_cluster
+from segctl.orchestrator import fleet
+from segctl.orchestrator.head import get_head
+from segctl.schemas.cluster import load_cluster
 spec = load_cluster({str(d / 'cluster.yaml')!r})
 fleet.connect(spec, start=False)
 head = get_head(fleet.stores_root(spec), create=False)

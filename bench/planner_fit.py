@@ -32,13 +32,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.data import Example, PreferenceExample
-from engine.demo import demo_examples, write_model
-from engine.model import apply_lora, load_model, model_parts
-from engine.optim import apply_grads, make_optimizer
-from engine.step import loss_and_grads
-from orchestrator.planner import model_info, predict_gb
-from schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
+from segctl.engine.data import Example, PreferenceExample
+from segctl.engine.demo import demo_examples, write_model
+from segctl.engine.model import apply_lora, load_model, model_parts
+from segctl.engine.optim import apply_grads, make_optimizer
+from segctl.engine.step import loss_and_grads
+from segctl.orchestrator.planner import model_info, predict_gb
+from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
 
 RANK = 8
 

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--off-lens", default="384,768")
     p.add_argument("--off-sizes", default="1,2,3,4")
     args = p.parse_args(argv)
-    from orchestrator import measured
+    from segctl.orchestrator import measured
 
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.orchestrator import row
-from schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
+from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
 
 
 def write_shaped_model(out: Path, *, layers: int, dim: int, vocab: int, dtype: str) -> Path:
@@ -34,7 +34,7 @@ def write_shaped_model(out: Path, *, layers: int, dim: int, vocab: int, dtype: s
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from engine.demo import _model_config, write_model
+    from segctl.engine.demo import _model_config, write_model
     write_model(out, "qwen3", corpus=["a b c d e f g h"] * 50, layers=1, hidden=64)
     config = _model_config("qwen3", layers=layers, hidden=dim, vocab_size=vocab, eos=2, bos=0)
     config.update(num_attention_heads=dim // 64, num_key_value_heads=max(1, dim // 128),
@@ -68,9 +68,9 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
 
-    from engine.probe import run_probes
-    from orchestrator import measured
-    from schemas.records import ProbeSpec
+    from segctl.engine.probe import run_probes
+    from segctl.orchestrator import measured
+    from segctl.schemas.records import ProbeSpec
 
     ints = lambda s: [int(x) for x in s.split(",")]
     grid = [(L, s) for L in ints(args.grid_lens) for s in ints(args.grid_sizes)]

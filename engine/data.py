@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from schemas.defaults import DEFAULT_MAX_SEQ_LENGTH
-from schemas.limits import MAX_ROW_BYTES, load_json, one_line
+from segctl.schemas.defaults import DEFAULT_MAX_SEQ_LENGTH
+from segctl.schemas.limits import MAX_ROW_BYTES, load_json, one_line
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import secrets
 import string
 from pathlib import Path
 
-from schemas.atomic import fsync_dir
+from segctl.schemas.atomic import fsync_dir
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -221,7 +221,8 @@ def _write_tokenizer_files(out_dir: Path, tok) -> None:
 
 
 def _model_config(arch: str, *, layers: int, hidden: int, vocab_size: int, eos: int, bos: int) -> dict:
-    from schemas.job import DEMO_ARCHS as ARCHS  # here: the benchmarks import this module bare
+    # here: the benchmarks import this module bare
+    from segctl.schemas.job import DEMO_ARCHS as ARCHS
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     head_dim = 64 if hidden >= 512 and hidden % 64 == 0 else 32
@@ -465,7 +466,7 @@ def write_demo(
     behind. Returns the path of job.yaml.
     """
     out_dir = Path(out_dir)
-    from schemas.job import DEMO_ARCHS as ARCHS, METHODS
+    from segctl.schemas.job import DEMO_ARCHS as ARCHS, METHODS
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     if method not in METHODS:

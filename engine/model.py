@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 
 from mlx_lm.models.base import create_attention_mask
 
-from schemas.limits import read_model_config
+from segctl.schemas.limits import read_model_config
 
 
 class ModelError(Exception):

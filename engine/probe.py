@@ -16,8 +16,8 @@ import statistics
 
 import mlx.core as mx
 
-from schemas import events as ev
-from schemas.records import ProbeSpec
+from segctl.schemas import events as ev
+from segctl.schemas.records import ProbeSpec
 
 from .data import Example, PreferenceExample
 from .model import apply_lora, load_model, model_parts

@@ -45,7 +45,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
-from schemas.defaults import DEFAULT_HEAD_CHUNK
+from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .layer import eager, layer_vjp

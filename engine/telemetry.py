@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from schemas import events as ev
+from segctl.schemas import events as ev
 
 
 def json_lines(stream: IO[str]):

@@ -20,9 +20,9 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from schemas import events as ev
-from schemas.atomic import fsync_dir, write_atomic
-from schemas.job import JobSpec
+from segctl.schemas import events as ev
+from segctl.schemas.atomic import fsync_dir, write_atomic
+from segctl.schemas.job import JobSpec
 
 from .data import DataError, Dataset, epoch_order, load_dataset
 from .model import ModelError, apply_lora, load_model, model_parts

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import ray
 
-from schemas.limits import MAX_TRIALS_PER_NODE
-from schemas.records import AttemptResult, AttemptSpec, ProbeSpec
+from segctl.schemas.limits import MAX_TRIALS_PER_NODE
+from segctl.schemas.records import AttemptResult, AttemptSpec, ProbeSpec
 
 from .attempt import Running, abandoned, run_attempt
 from .models import local_model

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -28,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from schemas import events as ev
-from schemas.records import AttemptResult, AttemptSpec
+from segctl.schemas import events as ev
+from segctl.schemas.records import AttemptResult, AttemptSpec
 
 from .raynode import private_dir, private_file
 
@@ -207,16 +206,16 @@ def _mark(folder: Path, outcome: dict) -> None:
 
 
 def start_worker(args: list[str], cwd: Path, running: Running, python: str):
-    """`python -m node.worker ARGS` in `cwd`, registered with `running` so a cancel
+    """`python -m segctl.node.worker ARGS` in `cwd`, registered with `running` so a cancel
     reaches it: (process, its last stderr lines as they are read, the thread reading
     them); None when `running` was cancelled before it started."""
     with running.lock:
         if running.cancelled:
             return None
         # umask 077: what the engine writes (checkpoints, the adapter) is the user's alone
-        proc = subprocess.Popen([python, "-m", "node.worker", *args], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([python, "-m", "segctl.node.worker", *args], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                env=_worker_env(), umask=0o077)
+                                umask=0o077)
         running.proc = proc
     stderr: list[str] = []
     drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
@@ -248,9 +247,3 @@ def _last(lines: list[str]) -> str:
     return lines[-1] if lines else ""
 
 
-def _worker_env() -> dict:
-    env = dict(os.environ)
-    # The worker imports our packages from where this one came from.
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from schemas.atomic import fsync_dir
+from segctl.schemas.atomic import fsync_dir
 
 from .raynode import private_dir
 

@@ -1,5 +1,5 @@
 """Run a tune's probe points on this node: one fresh engine process
-(`python -m node.worker --probe`) walks them, and each point's measurement goes to
+(`python -m segctl.node.worker --probe`) walks them, and each point's measurement goes to
 the head the moment it exists, so a probe run that dies keeps what it measured.
 
 No Ray here, as in node/attempt.py: the agent passes in how to reach the head.
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from schemas.records import ProbeSpec
+from segctl.schemas.records import ProbeSpec
 
 from .attempt import DRAIN_S, Running, _last, start_worker
 from .raynode import private_dir, private_file

@@ -31,8 +31,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from schemas.atomic import write_atomic
-from schemas.defaults import DEFAULT_NODE_MAX_TRIALS
+from segctl.schemas.atomic import write_atomic
+from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS
 
 from .probe import Hardware, ray_env
 

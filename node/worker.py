@@ -1,5 +1,5 @@
-"""One attempt of a trial, in a fresh process: `python -m node.worker JOB.json [--resume]`;
-or the probe points of a tune: `python -m node.worker --probe SPEC.json`.
+"""One attempt of a trial, in a fresh process: `python -m segctl.node.worker JOB.json [--resume]`;
+or the probe points of a tune: `python -m segctl.node.worker --probe SPEC.json`.
 
 The node agent starts one of these per attempt so no MLX state (allocator, compiled
 graphs, peak counters) leaks from one trial into the next. Events go to stdout as
@@ -31,9 +31,9 @@ def _exit_when_parent_goes() -> None:
 
 def main(argv: list[str]) -> int:
     _exit_when_parent_goes()
-    from engine import telemetry
-    from engine.train import run_reported
-    from schemas.job import JobSpec
+    from segctl.engine import telemetry
+    from segctl.engine.train import run_reported
+    from segctl.schemas.job import JobSpec
 
     if argv[0] == "--probe":
         return _probe(argv[1])
@@ -50,11 +50,11 @@ def main(argv: list[str]) -> int:
 
 def _probe(path: str) -> int:
     import time
-    from engine import telemetry
-    from engine.model import ModelError
-    from engine.probe import run_probes
-    from schemas import events as ev
-    from schemas.records import ProbeSpec
+    from segctl.engine import telemetry
+    from segctl.engine.model import ModelError
+    from segctl.engine.probe import run_probes
+    from segctl.schemas import events as ev
+    from segctl.schemas.records import ProbeSpec
 
     emit = telemetry.json_lines(sys.stdout)
     with open(path, encoding="utf-8") as f:

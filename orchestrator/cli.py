@@ -15,11 +15,11 @@ from pathlib import Path
 
 import click
 
-from schemas import SpecError
-from schemas import events as ev
-from schemas.defaults import DEFAULT_MARGIN, DEFAULT_NODE_MAX_TRIALS, DEFAULT_PORT
-from schemas.job import DEMO_ARCHS, METHODS
-from schemas.limits import MAX_TOKENS, MAX_TRIALS_PER_NODE, one_line
+from segctl.schemas import SpecError
+from segctl.schemas import events as ev
+from segctl.schemas.defaults import DEFAULT_MARGIN, DEFAULT_NODE_MAX_TRIALS, DEFAULT_PORT
+from segctl.schemas.job import DEMO_ARCHS, METHODS
+from segctl.schemas.limits import MAX_TOKENS, MAX_TRIALS_PER_NODE, one_line
 
 from . import views
 
@@ -33,7 +33,7 @@ class _Group(click.Group):
     def invoke(self, ctx):
         import sqlite3
 
-        from orchestrator.state import OPENED, StateError, unusable
+        from segctl.orchestrator.state import OPENED, StateError, unusable
         try:
             return super().invoke(ctx)
         except StateError as e:   # a corrupt or locked state.db, from whichever command
@@ -74,7 +74,7 @@ def init_demo(directory: Path, arch: str, method: str, seed: int):
     """Write a small random-initialised model (Hugging Face layout), a synthetic
     data set it visibly learns, DIRECTORY/job.yaml and DIRECTORY/sweep.yaml.
     Nothing is downloaded."""
-    from engine.demo import write_demo
+    from segctl.engine.demo import write_demo
     try:
         job = write_demo(directory, arch, seed=seed, method=method)
     except FileExistsError as e:
@@ -87,7 +87,7 @@ def init_demo(directory: Path, arch: str, method: str, seed: int):
 def validate(spec: Path):
     """Check a job, sweep or cluster file without running or writing anything
     (exit 2 and one `file:line: key: message` per problem)."""
-    from schemas.spec import load_spec
+    from segctl.schemas.spec import load_spec
     kind, obj = _load(load_spec, spec)
     if kind in ("job", "sweep"):
         _check_families(spec, [obj.model] if kind == "job" else [t.job.model for t in obj.trials])
@@ -100,7 +100,7 @@ def _check_families(where, models) -> None:
     """Exit 2 with the reason when a model folder holds an architecture the engine
     refuses (no weights are read). A folder that is not here is left to plan and
     submit, which need it."""
-    from engine.model import ModelError, check_family
+    from segctl.engine.model import ModelError, check_family
     for model in sorted(set(models)):
         if (Path(model) / "config.json").is_file():
             try:
@@ -132,9 +132,9 @@ def train(job_file: Path, resume: bool, as_json: bool):
     JSON lines otherwise. Exit codes: 0 done, 2 bad input (nothing written),
     3 memory.budget_gb crossed (last checkpoint kept), 1 internal error.
     """
-    from schemas.job import load_job
-    from engine import telemetry
-    from engine.train import run_reported
+    from segctl.schemas.job import load_job
+    from segctl.engine import telemetry
+    from segctl.engine.train import run_reported
 
     job = _load(load_job, job_file)
     if job.output is None:
@@ -155,11 +155,11 @@ def _resolve_auto(job, job_file):
     `segctl tune` measurements in $SEGCTL_HOME's stores when there are any."""
     if job.memory.segment_size != "auto" and job.memory.offload != "auto":
         return job
-    from engine.data import DataError
-    from node.probe import default_name, probe
-    from orchestrator import measured, planner
-    from orchestrator.fleet import stores_root
-    from schemas.records import NodeInfo
+    from segctl.engine.data import DataError
+    from segctl.node.probe import default_name, probe
+    from segctl.orchestrator import measured, planner
+    from segctl.orchestrator.fleet import stores_root
+    from segctl.schemas.records import NodeInfo
     try:
         info = planner.model_info(job.model)
         seq_len = planner.longest_row(job)
@@ -194,19 +194,19 @@ cluster_option = click.option(
 def _cluster(cluster_file):
     if cluster_file is None:
         return None
-    from schemas.cluster import load_cluster
+    from segctl.schemas.cluster import load_cluster
     return _load(load_cluster, cluster_file)
 
 
 def _root(spec) -> Path:
-    from orchestrator.fleet import stores_root
+    from segctl.orchestrator.fleet import stores_root
     return stores_root(spec)
 
 
 def _head(spec, *, start: bool):
     """Connect to the fleet (bringing the embedded one up when allowed) and get the head."""
-    from orchestrator import fleet
-    from orchestrator.head import get_head
+    from segctl.orchestrator import fleet
+    from segctl.orchestrator.head import get_head
     try:
         fleet.connect(spec, start=start)
         return get_head(_root(spec), create=True)
@@ -220,10 +220,10 @@ def _knobs(spec) -> dict:
 
 def _payload(sweep_file, spec):
     """Validate the sweep and everything it names; exit 2 before anything is written."""
-    from engine.data import DataError
-    from orchestrator.submit import prepare
-    from schemas.spec import load_spec
-    from schemas.sweep import load_sweep, single_job_sweep
+    from segctl.engine.data import DataError
+    from segctl.orchestrator.submit import prepare
+    from segctl.schemas.spec import load_spec
+    from segctl.schemas.sweep import load_sweep, single_job_sweep
     kind, _ = _load(load_spec, sweep_file)
     if kind == "cluster":
         _fail(f"{sweep_file}: this is a cluster file; submit a sweep or a job file")
@@ -236,7 +236,7 @@ def _payload(sweep_file, spec):
 
 
 def _status(root: Path, sid: str | None) -> list[dict]:
-    from orchestrator import state
+    from segctl.orchestrator import state
     try:
         return state.read(root / "state.db").status(sid)
     except (FileNotFoundError, KeyError) as e:
@@ -254,7 +254,7 @@ def plan(sweep_file: Path, cluster_file, as_json: bool):
     The planner column says where each prediction comes from: "measured" (the
     model was tuned on that class: `segctl tune`) or "analytic" (estimated
     from the model's shape)."""
-    from orchestrator.submit import plan_rows
+    from segctl.orchestrator.submit import plan_rows
     spec = _cluster(cluster_file)
     payload = _payload(sweep_file, spec)
     rows = plan_rows(payload, _declared_nodes(spec), _root(spec))
@@ -265,8 +265,8 @@ def plan(sweep_file: Path, cluster_file, as_json: bool):
 
 
 def _declared_nodes(spec):
-    from node.probe import default_name, probe
-    from schemas.records import NodeInfo
+    from segctl.node.probe import default_name, probe
+    from segctl.schemas.records import NodeInfo
     if spec is None:
         hw = probe()
         return [NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb, os=hw.os)]
@@ -317,9 +317,9 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
     and keeps what they measured.
     """
     import ray
-    from orchestrator import fleet, measured, planner
-    from orchestrator import tune as tuning
-    from schemas.job import load_job
+    from segctl.orchestrator import fleet, measured, planner
+    from segctl.orchestrator import tune as tuning
+    from segctl.schemas.job import load_job
     job = _load(load_job, job_file) if job_file else None
     if model_dir is None and job is None:
         _fail("give --model PATH (or --job JOB.yaml)")
@@ -412,8 +412,8 @@ def submit(sweep_file: Path, cluster_file, detach: bool, as_json: bool):
 def _follow(root: Path, sid: str, as_json: bool) -> int:
     """Show the sweep until it stops running; the exit code says how it went."""
     import time as _time
-    from orchestrator import state
-    from schemas.records import SweepState, TrialState
+    from segctl.orchestrator import state
+    from segctl.schemas.records import SweepState, TrialState
     db = state.read(root / "state.db")
     seen = 0
     live = None
@@ -470,8 +470,8 @@ def status(sweep, cluster_file, as_json: bool):
 def logs(trial, cluster_file, follow: bool):
     """A trial's story: its transitions and each attempt's engine events."""
     import time as _time
-    from orchestrator import state
-    from orchestrator.stores import Stores
+    from segctl.orchestrator import state
+    from segctl.orchestrator.stores import Stores
     root = _root(_cluster(cluster_file))
     try:
         db = state.read(root / "state.db")
@@ -528,7 +528,7 @@ def resume(sweep, cluster_file, detach: bool, as_json: bool):
         info = ray.get(head.resume.remote(sweep))
     except ray.exceptions.RayTaskError as e:
         _fail(str(getattr(e, "cause", e)).strip("'\""))
-    from schemas.records import SweepState
+    from segctl.schemas.records import SweepState
     click.echo(f"sweep {sweep}: {info['state'].lower()}, {info['unfinished']} unfinished trial(s)",
                err=True)
     if not detach and info["state"] == SweepState.RUNNING:
@@ -547,9 +547,9 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     """Export a sweep's adapters: OUT/<trial>/ loads with
     mlx_lm.load(model, adapter_path=OUT/<trial>); OUT/manifest.json lists trial,
     parameters, metrics and the sha256 of every file."""
-    from orchestrator.gather import gather as do_gather
-    from orchestrator.stores import Stores
-    from schemas.records import TrialState
+    from segctl.orchestrator.gather import gather as do_gather
+    from segctl.orchestrator.stores import Stores
+    from segctl.schemas.records import TrialState
     if best is not None and best < 1:
         _fail("--best: must be at least 1")
     root = _root(_cluster(cluster_file))
@@ -586,7 +586,7 @@ def _cluster_arg(f):
 def cluster_up(cluster_file, as_json: bool):
     """Start the head and every node (local ones here, remote ones over ssh). A
     fleet already up is left as it is; nodes missing from it are started."""
-    from orchestrator import fleet
+    from segctl.orchestrator import fleet
     spec = _cluster(cluster_file)
     if not as_json:
         n = len(spec.nodes) if spec else 1
@@ -610,7 +610,7 @@ def cluster_up(cluster_file, as_json: bool):
 def cluster_down(cluster_file):
     """Stop every node and the head this fleet started (running trials are lost
     to the head; `segctl resume` continues them after the next `up`)."""
-    from orchestrator import fleet
+    from segctl.orchestrator import fleet
     try:
         fleet.down(_cluster(cluster_file))
     except (RuntimeError, OSError) as e:
@@ -625,8 +625,8 @@ def cluster_status(cluster_file, as_json: bool):
     """Per node: chip, memory budget, busy/free and the trial running there; per
     Ray node (the head too): its address and the TCP ports its Ray processes
     listen on, with the address each is bound to ("*": every interface)."""
-    from orchestrator import fleet
-    from orchestrator import state
+    from segctl.orchestrator import fleet
+    from segctl.orchestrator import state
     spec = _cluster(cluster_file)
     try:
         fleet.connect(spec, start=False)
@@ -704,8 +704,8 @@ def node_start(is_head, address, name, memory_gb, chip, labels, max_trials, port
                token_stdin):
     """Start Ray on this machine as the head (--head) or as a node of the head at
     HOST:PORT (--join), with this machine's chip, memory and labels."""
-    from node.probe import default_name, probe
-    from orchestrator import fleet
+    from segctl.node.probe import default_name, probe
+    from segctl.orchestrator import fleet
     if is_head == bool(address):
         _fail("give exactly one of --head or --join HOST:PORT")
     parsed = {}
@@ -729,7 +729,7 @@ def node_start(is_head, address, name, memory_gb, chip, labels, max_trials, port
 @node.command("stop")
 def node_stop():
     """Stop the Ray processes `segctl node start` started on this machine."""
-    from orchestrator import fleet
+    from segctl.orchestrator import fleet
     click.echo(json.dumps(fleet.stop_here()))
 
 
@@ -752,7 +752,7 @@ def _lab_root(f):
 @click.option("--json", "as_json", is_flag=True, help="the hosts as JSON")
 def lab_up(n: int, root, as_json: bool):
     """Make N hosts h1..hN (198.18.0.11, .12, ...), each answering ssh."""
-    from orchestrator import lab as lablib
+    from segctl.orchestrator import lab as lablib
     try:
         made = lablib.up(n, root or lablib.LAB_ROOT)
     except lablib.LabError as e:
@@ -770,7 +770,7 @@ def lab_up(n: int, root, as_json: bool):
 @_lab_root
 def lab_down(root):
     """Stop everything running in the lab's hosts; remove its namespaces and bridge."""
-    from orchestrator import lab as lablib
+    from segctl.orchestrator import lab as lablib
     try:
         lablib.down(root or lablib.LAB_ROOT)
     except lablib.LabError as e:

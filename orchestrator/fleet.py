@@ -30,12 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from node import raynode
-from node.probe import Hardware, default_name, probe, ray_env
-from schemas.atomic import write_atomic
-from schemas.cluster import DEFAULT_MAX_TRIALS, DEFAULT_STORES
-from schemas.defaults import DEFAULT_NODE_MAX_TRIALS
-from schemas.records import NodeInfo
+from segctl.node import raynode
+from segctl.node.probe import Hardware, default_name, probe, ray_env
+from segctl.schemas.atomic import write_atomic
+from segctl.schemas.cluster import DEFAULT_MAX_TRIALS, DEFAULT_STORES
+from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS
+from segctl.schemas.records import NodeInfo
 
 # `ray` itself is imported only where a driver is needed: stores_root() and the
 # ssh helpers serve CLI commands that should not pay for importing Ray.

@@ -14,8 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
-from schemas.atomic import fsync_dir
-from schemas.records import TrialState
+from segctl.schemas.atomic import fsync_dir
+from segctl.schemas.records import TrialState
 
 from .stores import Stores
 

@@ -32,13 +32,14 @@ from pathlib import Path
 
 import ray
 
-from node import models
-from node.raynode import private_dir
-from schemas.atomic import write_atomic
-from schemas.defaults import DEFAULT_MARGIN, DEFAULT_MLP_CHUNK, DEFAULT_SCALE
-from schemas.job import JobSpec
-from schemas.records import (OUTCOME_MOVES, TERMINAL, AttemptResult, AttemptSpec, AttemptStatus,
-                             NodeInfo, Outcome, ProbeSpec, SweepState, TrialState, TuneState)
+from segctl.node import models
+from segctl.node.raynode import private_dir
+from segctl.schemas.atomic import write_atomic
+from segctl.schemas.defaults import DEFAULT_MARGIN, DEFAULT_MLP_CHUNK, DEFAULT_SCALE
+from segctl.schemas.job import JobSpec
+from segctl.schemas.records import (OUTCOME_MOVES, TERMINAL, AttemptResult, AttemptSpec,
+                                    AttemptStatus, NodeInfo, Outcome, ProbeSpec, SweepState,
+                                    TrialState, TuneState)
 
 from . import measured, planner
 from .state import State, read as read_state
@@ -671,7 +672,7 @@ def _check_payload(payload: dict) -> None:
     file or plan into state.db. Raises ValueError with one line."""
     import re
 
-    from schemas.limits import MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN
+    from segctl.schemas.limits import MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN
     name = payload.get("name")
     if not isinstance(name, str) or len(name) > MAX_SWEEP_NAME_CHARS or not re.fullmatch(
             NAME_PATTERN, name):
@@ -747,8 +748,8 @@ class Head:
     its own."""
 
     def __init__(self, root: str):
-        from node.agent import spawn
-        from orchestrator.fleet import nodes
+        from segctl.node.agent import spawn
+        from segctl.orchestrator.fleet import nodes
         me = ray.get_runtime_context().current_actor
         self.root = root
         self.c = Controller(Path(root), list_nodes=nodes, spawn_agent=lambda n: spawn(n, me))

@@ -50,8 +50,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from node.raynode import alive, is_ours, start_time
-from schemas.atomic import write_atomic
+from segctl.node.raynode import alive, is_ours, start_time
+from segctl.schemas.atomic import write_atomic
 
 LAB_ROOT = Path("/var/lib/segctl-lab")
 REPO = Path(__file__).resolve().parent.parent
@@ -215,10 +215,10 @@ def load(root: Path | str = LAB_ROOT) -> Lab | None:
 # ------------------------------------------------------------------ running things in a host
 
 def host_env() -> dict:
-    """The environment of a session in a host: segctl (the repo's venv) on the
-    PATH, the repo importable, and OpenBLAS preloaded where it exists (MLX's
-    own CPU BLAS is several times slower)."""
-    env = {"PATH": f"{VENV / 'bin'}:{SYSTEM_PATH}", "PYTHONPATH": str(REPO)}
+    """The environment of a session in a host: segctl (the repo's venv, where it
+    is installed) on the PATH, and OpenBLAS preloaded where it exists (MLX's own
+    CPU BLAS is several times slower)."""
+    env = {"PATH": f"{VENV / 'bin'}:{SYSTEM_PATH}"}
     if OPENBLAS.exists():
         env["LD_PRELOAD"] = str(OPENBLAS)
     return env

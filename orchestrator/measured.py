@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas import store_rows as sr
+from segctl.schemas import store_rows as sr
 
 GROUPS = ("fwd", "head", "bwd", "update")
 EXTRAPOLATE = 2.0    # predict rows up to this many times the longest probed row of a regime

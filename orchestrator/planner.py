@@ -31,11 +31,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from schemas.defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN,
+from segctl.schemas.defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN,
                               DEFAULT_MLP_CHUNK)
-from schemas.job import JobSpec
-from schemas.limits import check_model_config, read_model_config
-from schemas.records import Plan
+from segctl.schemas.job import JobSpec
+from segctl.schemas.limits import check_model_config, read_model_config
+from segctl.schemas.records import Plan
 
 GB = 1e9
 F32 = 4  # LoRA parameters, their grads and AdamW moments, and the loss head's logits are fp32
@@ -144,7 +144,7 @@ def _act_bytes(weights: list[Path], cfg: dict) -> int:
     """Bytes per activation: the dtype holding most of the floating-point weights
     (MLX computes in the weights' dtype; a quantized model's scales carry it),
     read from the safetensors headers; config's torch_dtype only if they say nothing."""
-    from schemas.limits import safetensors_header
+    from segctl.schemas.limits import safetensors_header
     by_dtype: dict[int, int] = {}
     for path in weights:
         header = safetensors_header(path)
@@ -166,7 +166,7 @@ def longest_row(job: JobSpec) -> int:
     the sequence length the plan must hold. Loads the tokenizer, not the weights."""
     from mlx_lm.utils import load_tokenizer
 
-    from engine.data import load_dataset
+    from segctl.engine.data import load_dataset
 
     folder = Path(job.model)
     if not (folder / "config.json").is_file():

@@ -42,11 +42,11 @@ import zarr
 from zarr.storage import LocalStore
 
 # private_dir / private_file: also what the head uses for inputs/ and state.db
-from node.raynode import alive, private_dir, private_file
-from orchestrator.state import LOCK_WAIT_S
-from schemas import store_rows as sr
-from schemas.atomic import fsync_dir
-from schemas.limits import safetensors_header
+from segctl.node.raynode import alive, private_dir, private_file
+from segctl.orchestrator.state import LOCK_WAIT_S
+from segctl.schemas import store_rows as sr
+from segctl.schemas.atomic import fsync_dir
+from segctl.schemas.limits import safetensors_header
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (

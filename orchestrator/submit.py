@@ -7,9 +7,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from schemas.cluster import DEFAULT_MARGIN, DEFAULT_SCALE
-from schemas.records import NodeInfo
-from schemas.sweep import Sweep
+from segctl.schemas.cluster import DEFAULT_MARGIN, DEFAULT_SCALE
+from segctl.schemas.records import NodeInfo
+from segctl.schemas.sweep import Sweep
 
 from . import planner
 
@@ -48,7 +48,7 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None) ->
     """`segctl plan`: per trial and node class, the segment size and predicted peak,
     from the plan table's measured model where `segctl tune` made one (stores
     under `root`), else the analytic estimate."""
-    from schemas.job import JobSpec
+    from segctl.schemas.job import JobSpec
 
     from . import measured
     fitted: dict[str, dict] = {}

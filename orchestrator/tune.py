@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from schemas.atomic import write_atomic
-from schemas.job import JobSpec, LoraSpec, MemorySpec
-from schemas.records import NodeInfo
+from segctl.schemas.atomic import write_atomic
+from segctl.schemas.job import JobSpec, LoraSpec, MemorySpec
+from segctl.schemas.records import NodeInfo
 
 from . import measured, planner
 

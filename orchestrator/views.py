@@ -10,7 +10,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from schemas.records import Outcome, TrialState
+from segctl.schemas.records import Outcome, TrialState
 
 # An attempt's outcome in the attempts column (the others as they are).
 SHORT = {Outcome.SUCCEEDED: "ok", Outcome.NODE_LOST: "lost", Outcome.INTERRUPTED: "intr",

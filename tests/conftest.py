@@ -67,7 +67,7 @@ def segctl(*args, cwd=None, timeout=300, env: dict | None = None) -> subprocess.
             full.pop(k, None)
         else:
             full[k] = str(v)
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "segctl.orchestrator.cli", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, env=full, timeout=timeout)
 
 
@@ -90,14 +90,15 @@ def free_earlier_arrays() -> None:
 
 def probe_fresh(spec, tmp: Path) -> list[dict]:
     """Probe events for `spec` (a ProbeSpec) measured the way a node measures them:
-    in a fresh `node.worker --probe` process, so the peaks hold this model alone
+    in a fresh `segctl.node.worker --probe` process, so the peaks hold this model alone
     and not whatever arrays earlier tests left alive in the test process."""
     import json
     spec_file = tmp / f"probe-{os.getpid()}-{id(spec)}.json"
     spec_file.write_text(spec.model_dump_json())
     # The worker exits when its stdin closes (its parent is gone): keep it open.
     with open(spec_file.with_suffix(".err"), "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "node.worker", "--probe", str(spec_file)],
+        proc = subprocess.Popen([sys.executable, "-m", "segctl.node.worker", "--probe",
+                                 str(spec_file)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                 text=True, env=cli_env(), cwd=ROOT)
         out = proc.stdout.read()
@@ -122,7 +123,7 @@ def random_lora(model, *, dropout: float = 0.0):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from engine.model import apply_lora
+    from segctl.engine.model import apply_lora
     apply_lora(model, rank=4, scale=2.0, dropout=dropout)
     model.load_weights([(n, 0.05 * mx.random.normal(v.shape))
                         for n, v in tree_flatten(model.trainable_parameters())], strict=False)
@@ -139,7 +140,7 @@ def letter_model(root: Path, n_train: int, n_valid: int, words: tuple[int, int])
     import random
     import string
 
-    from engine.demo import write_model
+    from segctl.engine.demo import write_model
 
     def rows(n, seed):
         r = random.Random(seed)
@@ -182,7 +183,7 @@ def demo_dir(tmp_path_factory) -> Path:
 def tiny_models(tmp_path_factory):
     """arch -> folder of a 5-layer random model in Hugging Face layout (gemma4_text: 6
     layers, layers 3 and 5 reading layer 1's K/V and layer 4 layer 2's)."""
-    from engine.demo import demo_examples, write_model
+    from segctl.engine.demo import demo_examples, write_model
     corpus = [f"{r['prompt']} {r['completion']}" for r in demo_examples(200, 1)]
     out = {}
     for arch in ("llama", "qwen3", "minicpm"):

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from schemas.atomic import fsync_dir, write_atomic
-from schemas.limits import MAX_SAFETENSORS_HEADER_BYTES, safetensors_header
+from segctl.schemas.atomic import fsync_dir, write_atomic
+from segctl.schemas.limits import MAX_SAFETENSORS_HEADER_BYTES, safetensors_header
 
 
 def _names(folder) -> set[str]:

@@ -16,10 +16,10 @@ import json
 import pytest
 import ray
 
-from orchestrator.head import Controller
-from orchestrator.submit import prepare
-from schemas.records import AttemptResult, AttemptSpec
-from schemas.sweep import load_sweep
+from segctl.orchestrator.head import Controller
+from segctl.orchestrator.submit import prepare
+from segctl.schemas.records import AttemptResult, AttemptSpec
+from segctl.schemas.sweep import load_sweep
 from tests.test_head_isolation import Ref, World, running, small, sweep_state, trials
 
 N_LAYERS = 4   # the demo model's layers: `auto` on a roomy node plans segment_size 4

@@ -12,13 +12,13 @@ import math
 import mlx.core as mx
 import pytest
 
-import engine.step as step
-from engine.data import PreferenceExample
-from engine.model import load_model
-from engine.step import StepError, adapter_off, eval_loss, loss_and_grads
-from schemas import SpecError
-from schemas.job import JobSpec, load_job
-from schemas.sweep import job_keys, load_sweep
+import segctl.engine.step as step
+from segctl.engine.data import PreferenceExample
+from segctl.engine.model import load_model
+from segctl.engine.step import StepError, adapter_off, eval_loss, loss_and_grads
+from segctl.schemas import SpecError
+from segctl.schemas.job import JobSpec, load_job
+from segctl.schemas.sweep import job_keys, load_sweep
 from tests.conftest import assert_one_line_error, random_lora, segctl
 from tests.test_orpo import branch_logps, preference
 from tests.test_step import TOL, lora_model, random_example, worst_rel_error
@@ -290,7 +290,7 @@ def test_a_sweep_over_dpo_beta_expands_and_validates(tmp_path, demo_dir):
 
 
 def test_dpo_is_planned_as_orpo_and_tuned_apart():
-    from orchestrator.planner import ModelInfo, method_key, predict_gb
+    from segctl.orchestrator.planner import ModelInfo, method_key, predict_gb
     info = ModelInfo("qwen3", 28, 1024, 3072, 16, 8, 128, 151936, 1_500_000_000, 2)
     for key in ("", "-shared"):
         for seg in (0, 1, 4):
@@ -306,9 +306,9 @@ def test_dpo_is_planned_as_orpo_and_tuned_apart():
 def test_a_tune_probe_runs_dpo_steps(tiny_models):
     # what `segctl tune --method dpo` has a node run: the reference pass is a phase
     # of its own, fitted with the forward phases
-    from engine.probe import run_probes
-    from orchestrator.measured import group_of
-    from schemas.records import ProbeSpec
+    from segctl.engine.probe import run_probes
+    from segctl.orchestrator.measured import group_of
+    from segctl.schemas.records import ProbeSpec
     seen: list = []
     run_probes(ProbeSpec(model=str(tiny_models["qwen3"]), method="dpo", budget_gb=100.0,
                          points=[(30, 2)], steps=2), seen.append, lambda: 0.0)
@@ -319,8 +319,8 @@ def test_a_tune_probe_runs_dpo_steps(tiny_models):
 
 
 def test_step_event_carries_dpo_rewards_into_the_steps_table():
-    from orchestrator.stores import attempt_tables
-    from schemas.events import Step
+    from segctl.orchestrator.stores import attempt_tables
+    from segctl.schemas.events import Step
     figures = dict(time=1.0, step=1, loss=0.7, tokens=12, seconds=0.1, tokens_per_s=120.0,
                    lr=1e-4, grad_norm=0.5, peak_gb=1.0, active_gb=0.5, cache_gb=0.1)
     dpo = Step(**figures, margin=0.3, accuracy=1.0, prefix_shared=True, chosen_reward=0.2,

@@ -8,8 +8,8 @@ import json
 
 import yaml
 
-from node.probe import default_name, probe
-from node.raynode import alive
+from segctl.node.probe import default_name, probe
+from segctl.node.raynode import alive
 
 from .conftest import assert_one_line_error, segctl
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine import Example, loss_and_grads
-from engine.model import ModelError, check_length, model_parts
+from segctl.engine import Example, loss_and_grads
+from segctl.engine.model import ModelError, check_length, model_parts
 from tests.zoo import families, tiny_model
 from tests.conftest import WIDE, random_lora
 
@@ -85,7 +85,7 @@ NAMED = ["llama", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss", "o
 
 @pytest.mark.parametrize("family", NAMED)
 def test_named_family_preference_methods_are_exact(family):
-    from engine import PreferenceExample
+    from segctl.engine import PreferenceExample
     model, _ = tiny_model(family)
     parts = model_parts(model, name=family)
     _lora(model, family)
@@ -138,7 +138,7 @@ def test_a_refused_family_stops_validate_plan_submit_and_tune(demo_dir, tmp_path
 def test_prefix_shared_preference_runs_exactly_or_falls_back(family):
     """Prefix-shared ORPO on every family that trains: exact, whether its layers
     take block masks (`parts.block_masks`) or get array masks instead."""
-    from engine import PreferenceExample
+    from segctl.engine import PreferenceExample
     try:
         model, _ = tiny_model(family)
         parts = model_parts(model, name=family)

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from node import raynode
-from node.probe import Hardware, chip_name, default_name, probe, ray_env
-from orchestrator import fleet
-from schemas.cluster import ClusterSpec, HeadSpec, NodeSpec
+from segctl.node import raynode
+from segctl.node.probe import Hardware, chip_name, default_name, probe, ray_env
+from segctl.orchestrator import fleet
+from segctl.schemas.cluster import ClusterSpec, HeadSpec, NodeSpec
 from tests.conftest import cli_env
 
 LOCAL = {"small": 0.5, "mid": 2.0, "big": 8.0}      # name -> budget GB
@@ -180,7 +180,7 @@ def here_ssh(remote_home: Path):
         ssh.calls.append((cmd, input))
         argv = shlex.split(cmd[-1])
         assert cmd[0] == "ssh" and argv[0] == "segctl"
-        return subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv[1:]],
+        return subprocess.run([sys.executable, "-m", "segctl.orchestrator.cli", *argv[1:]],
                               input=input, capture_output=True, text=True, timeout=timeout,
                               env=dict(cli_env(), SEGCTL_HOME=str(remote_home)))
     ssh.calls = []
@@ -346,8 +346,8 @@ def test_down_leaves_no_process_behind(lab):
 
 EMBEDDED = textwrap.dedent("""
     import json, os
-    from orchestrator import fleet
-    from node import raynode
+    from segctl.orchestrator import fleet
+    from segctl.node import raynode
     try:
         info = fleet.connect(None)           # nothing running: brings the embedded fleet up
         again = fleet.connect(None)          # running: just connects

@@ -20,7 +20,7 @@ import pyarrow.dataset as pads
 import pytest
 import yaml
 
-from node.raynode import alive
+from segctl.node.raynode import alive
 
 from .conftest import assert_one_line_error, cli_env, letter_model, segctl
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from schemas import SpecError
-from schemas.cluster import load_cluster
-from schemas.spec import load_spec, spec_kind
-from schemas.sweep import job_keys, load_sweep, set_dotted
+from segctl.schemas import SpecError
+from segctl.schemas.cluster import load_cluster
+from segctl.schemas.spec import load_spec, spec_kind
+from segctl.schemas.sweep import job_keys, load_sweep, set_dotted
 
 ROOT = Path(__file__).resolve().parent.parent
 

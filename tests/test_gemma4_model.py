@@ -10,8 +10,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from engine.demo import GEMMA4_WINDOW, write_model, demo_preferences
-from engine.model import apply_lora, forward_parts, load_model, model_parts
+from segctl.engine.demo import GEMMA4_WINDOW, write_model, demo_preferences
+from segctl.engine.model import apply_lora, forward_parts, load_model, model_parts
 from tests.conftest import segctl
 
 
@@ -105,7 +105,7 @@ def test_init_demo_gemma4_orpo(tmp_path):
     job = (d / "job.yaml").read_text()
     assert "method: orpo" in job and "prefix_shared: true" in job
 
-    from schemas.job import JobSpec
+    from segctl.schemas.job import JobSpec
     if "orpo" not in JobSpec.model_fields:
         pytest.skip("job schema lacks orpo")
     proc = segctl("validate", d / "job.yaml")

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import ray
 
-from orchestrator import head as head_mod
-from orchestrator.head import Controller
-from orchestrator.state import StateError
-from orchestrator.submit import prepare
-from schemas.records import AttemptResult, NodeInfo
-from schemas.sweep import load_sweep
+from segctl.orchestrator import head as head_mod
+from segctl.orchestrator.head import Controller
+from segctl.orchestrator.state import StateError
+from segctl.orchestrator.submit import prepare
+from segctl.schemas.records import AttemptResult, NodeInfo
+from segctl.schemas.sweep import load_sweep
 
 
 class Ref:
@@ -135,8 +135,8 @@ def payload(demo_dir):
 def adapter_dir(demo_dir, tmp_path_factory):
     """A real adapter folder (adapters.safetensors + adapter_config.json) from two
     real engine steps, returned as a finished attempt's result."""
-    from engine.train import run
-    from schemas.job import load_job
+    from segctl.engine.train import run
+    from segctl.schemas.job import load_job
     out = tmp_path_factory.mktemp("adapter") / "out"
     job = load_job(demo_dir / "job.yaml")
     job = job.model_copy(update={"output": str(out),
@@ -449,7 +449,7 @@ def test_state_db_and_inputs_are_private(tmp_path, payload):
 
 
 def test_a_locked_state_db_is_one_line_saying_who_holds_it(tmp_path, monkeypatch):
-    from orchestrator import state
+    from segctl.orchestrator import state
     World().controller(tmp_path).state.con.close()
     holder = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
     holder.execute("PRAGMA locking_mode=EXCLUSIVE")
@@ -481,7 +481,7 @@ def _predicted(c: Controller, sid: str, node: NodeInfo) -> float:
 
 
 def test_a_node_runs_as_many_trials_as_its_max_trials_and_its_memory_allow(tmp_path, payload):
-    from schemas.cluster import DEFAULT_MARGIN
+    from segctl.schemas.cluster import DEFAULT_MARGIN
     world = World(names=("a",))
     world.nodes[0].max_trials = 3
     c = world.controller(tmp_path)
@@ -502,7 +502,7 @@ def test_a_node_runs_as_many_trials_as_its_max_trials_and_its_memory_allow(tmp_p
 
 
 def test_memory_bounds_the_trials_a_node_shares(tmp_path, payload):
-    from schemas.cluster import DEFAULT_MARGIN
+    from segctl.schemas.cluster import DEFAULT_MARGIN
     world = World(names=("a",))
     c0 = world.controller(tmp_path / "probe")
     p = _predicted(c0, c0.submit(_fixed(payload, "s", n=1)), world.nodes[0])

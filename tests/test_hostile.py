@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from orchestrator import cli
-from schemas import limits
+from segctl.orchestrator import cli
+from segctl.schemas import limits
 from tests.conftest import ROOT, segctl
 from tests.hostile.cases import CASES, Case, lay_out
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from node import models, raynode
-from node.raynode import private_dir, private_file
-from schemas.records import AttemptSpec
+from segctl.node import models, raynode
+from segctl.node.raynode import private_dir, private_file
+from segctl.schemas.records import AttemptSpec
 from tests.test_stores import attempt_row, run_events
 
 ON_HEAD = "/lab/models/tiny"        # a model path this "node" does not have
@@ -30,7 +30,7 @@ ON_HEAD = "/lab/models/tiny"        # a model path this "node" does not have
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from engine.demo import demo_examples, write_model
+    from segctl.engine.demo import demo_examples, write_model
     corpus = [f"{r['prompt']} {r['completion']}" for r in demo_examples(50, 1)]
     return write_model(tmp_path_factory.mktemp("tiny") / "model", "qwen3", corpus=corpus,
                        seed=2, layers=2, hidden=32)
@@ -130,7 +130,7 @@ def test_a_hub_cache_snapshot_is_served_through_its_links(tiny_model, tmp_path):
     assert not [p for p in local.rglob("*") if p.is_symlink()], "the node gets plain files"
     cmp = filecmp.dircmp(tiny_model, local)
     assert not cmp.left_only and not cmp.diff_files
-    from engine.model import load_model
+    from segctl.engine.model import load_model
     _, tok = load_model(str(local))
     assert tok.encode("after q")
 
@@ -164,14 +164,14 @@ def test_a_hub_cache_snapshot_is_served_through_its_links(tiny_model, tmp_path):
 # ------------------------------------------------------------------ 4. attempt folders
 
 def demo_job(demo_dir: Path) -> dict:
-    from schemas.job import load_job
+    from segctl.schemas.job import load_job
     job = load_job(demo_dir / "job.yaml").model_dump(mode="json")
     job["train"].update(iters=2, warmup=0, eval_every=0, val_batches=2, checkpoint_every=0)
     return job
 
 
 def run(spec: AttemptSpec, work: Path):
-    from node.attempt import run_attempt
+    from segctl.node.attempt import run_attempt
     return run_attempt(spec, work, send_events=lambda batch: None,
                        send_checkpoint=lambda step, files: None, on_started=lambda pid, t: None)
 
@@ -193,7 +193,7 @@ def assert_private(root: Path) -> None:
 
 
 def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatch, open_umask):
-    from node.agent import NodeAgent, work_root
+    from segctl.node.agent import NodeAgent, work_root
     monkeypatch.setenv("SEGCTL_WORK", str(tmp_path / "work"))
     work = work_root("mac-1")
     job = demo_job(demo_dir)
@@ -212,7 +212,7 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
     # the model cannot be had: an outcome (never an exception that would stall the head)
     def refused(path):
         raise PermissionError(f"{path}: not the model of any trial")
-    from node.attempt import run_attempt
+    from segctl.node.attempt import run_attempt
     r = run_attempt(spec(6, {"train.jsonl": b"{}\n"}), work, send_events=print,
                     send_checkpoint=print, on_started=print, model_dir=refused)
     assert (r.outcome, r.message) == ("failed", f"model {job['model']}: "
@@ -237,8 +237,8 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
 # ------------------------------------------------------------------ 5. permissions
 
 def test_stores_and_work_folders_are_private_under_any_umask(tmp_path, monkeypatch, open_umask):
-    from orchestrator import fleet
-    from orchestrator.stores import Stores
+    from segctl.orchestrator import fleet
+    from segctl.orchestrator.stores import Stores
     root = tmp_path / "new" / "stores"          # its parent is made too
     st = Stores(root)
     st.ingest("sw-1", "sw-1-t000", 1, run_events(1, 4))
@@ -281,7 +281,7 @@ def test_stores_and_work_folders_are_private_under_any_umask(tmp_path, monkeypat
             private_file(their_file, b"ours")
         assert their_file.read_bytes() == b"theirs", "refused before anything is written"
         monkeypatch.setenv("SEGCTL_WORK", str(theirs))     # someone took the /tmp name first
-        from node.agent import work_root
+        from segctl.node.agent import work_root
         with pytest.raises(PermissionError):
             work_root("mac-1")
         assert not list(theirs.iterdir())
@@ -297,8 +297,8 @@ def sleeper(argv0: str = "sleep") -> subprocess.Popen:
 
 
 def test_a_recorded_pid_that_is_another_process_now_is_left_alone(tmp_path):
-    from orchestrator import fleet
-    from schemas.cluster import ClusterSpec, HeadSpec, NodeSpec
+    from segctl.orchestrator import fleet
+    from segctl.schemas.cluster import ClusterSpec, HeadSpec, NodeSpec
     # looks like a segctl node to a command-line check, but started after the record
     proc = sleeper(f"{sys.executable} -m ray.scripts.scripts start --address=x --block")
     other = sleeper()

@@ -9,10 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine import Example, PreferenceExample, loss_and_grads
-from engine.layer import tokenwise_children
-from engine.model import model_parts
-from engine.train import OOMError
+from segctl.engine import Example, PreferenceExample, loss_and_grads
+from segctl.engine.layer import tokenwise_children
+from segctl.engine.model import model_parts
+from segctl.engine.train import OOMError
 from tests.conftest import random_lora
 from tests.test_step import lora_model, random_example, worst_rel_error
 
@@ -129,7 +129,7 @@ def test_only_row_wise_children_called_once_are_cut():
 def test_lora_dropout_keeps_the_mlp_whole(tiny_models):
     """A chunk would draw other dropout masks than the whole row: with dropout on,
     the MLP is not cut, so the step is the one without chunks, draw for draw."""
-    from engine.model import load_model
+    from segctl.engine.model import load_model
     model, _ = load_model(tiny_models["qwen3"])
     mx.random.seed(0)
     random_lora(model, dropout=0.3)

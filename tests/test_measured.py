@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.probe import synthetic_row
-from orchestrator import measured, planner
-from orchestrator.stores import Stores
-from schemas.job import JobSpec
-from schemas.records import ProbeSpec
+from segctl.engine.probe import synthetic_row
+from segctl.orchestrator import measured, planner
+from segctl.orchestrator.stores import Stores
+from segctl.schemas.job import JobSpec
+from segctl.schemas.records import ProbeSpec
 
 from .conftest import assert_one_line_error, probe_fresh, segctl
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from bench.engine import bench_model
-from engine import Example, loss_and_grads
+from segctl.engine import Example, loss_and_grads
 
 
 def peak_of(model, ex, **kw) -> float:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node import models
+from segctl.node import models
 
 
 def test_a_missing_model_is_fetched_once_and_loads(tiny_models, tmp_path, monkeypatch):
@@ -36,7 +36,7 @@ def test_a_missing_model_is_fetched_once_and_loads(tiny_models, tmp_path, monkey
     assert models.local_model(on_head, cache, manifest=manifest, chunk=chunk) == str(local)
     assert calls["chunks"] == before                                      # from the cache
 
-    from engine.model import load_model
+    from segctl.engine.model import load_model
     model, tok = load_model(str(local))
     assert tok.encode("after q")
 

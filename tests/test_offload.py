@@ -10,7 +10,7 @@ import textwrap
 import mlx.core as mx
 import pytest
 
-from engine.offload import Boundaries, OffloadError, check_folder
+from segctl.engine.offload import Boundaries, OffloadError, check_folder
 from tests.conftest import ROOT, cli_env
 
 UNSIGNED = {2: mx.uint16, 4: mx.uint32}
@@ -110,7 +110,7 @@ def test_sigkilled_process_leaves_no_file(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         import mlx.core as mx
-        from engine.offload import Boundaries
+        from segctl.engine.offload import Boundaries
         b = Boundaries({str(folder)!r})
         h = mx.ones((1, 256, 256), dtype=mx.bfloat16)
         mx.eval(h)

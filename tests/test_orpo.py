@@ -10,8 +10,8 @@ import math
 import mlx.core as mx
 import pytest
 
-from engine.data import PreferenceExample
-from engine.step import StepError, eval_loss, loss_and_grads
+from segctl.engine.data import PreferenceExample
+from segctl.engine.step import StepError, eval_loss, loss_and_grads
 from tests.conftest import edit_job, segctl
 from tests.test_step import lora_model, random_example, worst_rel_error
 
@@ -117,7 +117,7 @@ def test_rows_whose_prompts_differ_run_two_branch(tiny_models, method):
 def test_prefix_shared_peak_is_below_two_branch(tmp_path):
     # A long prompt and short responses: two-branch keeps two sets of boundaries
     # (and runs the prompt twice); prefix-shared one set over P + 2R tokens.
-    from engine.demo import demo_examples, write_model
+    from segctl.engine.demo import demo_examples, write_model
     corpus = [f"{r['prompt']} {r['completion']}" for r in demo_examples(50, 1)]
     model = lora_model(write_model(tmp_path / "m", "qwen3", corpus=corpus, seed=1, layers=12,
                                    hidden=128))

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.data import DataError, Example, PreferenceExample, load_dataset, load_preferences
-from engine.demo import _render_chat, demo_examples, write_model
-from schemas import SpecError
-from schemas.events import Step
-from schemas.job import JobSpec, load_job
-from schemas.sweep import job_keys, load_sweep
+from segctl.engine.data import DataError, Example, PreferenceExample, load_dataset, load_preferences
+from segctl.engine.demo import _render_chat, demo_examples, write_model
+from segctl.schemas import SpecError
+from segctl.schemas.events import Step
+from segctl.schemas.job import JobSpec, load_job
+from segctl.schemas.sweep import job_keys, load_sweep
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +320,7 @@ def test_sweep_problems_with_orpo_keys(model_dir, tmp_path):
 
 
 def test_step_event_carries_orpo_figures_into_the_steps_table():
-    from orchestrator.stores import attempt_tables
+    from segctl.orchestrator.stores import attempt_tables
 
     figures = dict(time=1.0, step=1, loss=0.7, tokens=12, seconds=0.1, tokens_per_s=120.0, lr=1e-4,
                    grad_norm=0.5, peak_gb=1.0, active_gb=0.5, cache_gb=0.1)

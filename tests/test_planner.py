@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from bench.planner_fit import measure_peak_gb, random_row
-from orchestrator.planner import ModelInfo, longest_row, model_info, plan, predict_gb
-from schemas.job import JobSpec, load_job
+from segctl.orchestrator.planner import ModelInfo, longest_row, model_info, plan, predict_gb
+from segctl.schemas.job import JobSpec, load_job
 from tests.conftest import free_earlier_arrays
 
 # Qwen3-0.6B's shape in bf16, and a deep 80-layer one: the planner is used on
@@ -63,10 +63,10 @@ def test_prediction_orders_the_modes():
 
 
 def test_orpo_rows_are_planned_at_their_longest_sequence(tmp_path):
-    from engine.data import PreferenceExample
-    from engine.demo import write_demo
-    from orchestrator.planner import longest_row, method_key, row_tokens
-    from schemas.job import load_job
+    from segctl.engine.data import PreferenceExample
+    from segctl.engine.demo import write_demo
+    from segctl.orchestrator.planner import longest_row, method_key, row_tokens
+    from segctl.schemas.job import load_job
     job = load_job(write_demo(tmp_path / "d", "qwen3", method="orpo", n_train=20, n_valid=4))
     shared = longest_row(job)
     two = longest_row(job.model_copy(update={"orpo": job.orpo.model_copy(
@@ -209,7 +209,7 @@ def test_model_info_on_bad_folders(tiny_models, tmp_path):
 def test_longest_row_is_the_engine_datasets_longest_example(demo_dir):
     from mlx_lm.utils import load_tokenizer
 
-    from engine.data import load_dataset
+    from segctl.engine.data import load_dataset
 
     base = load_job(demo_dir / "job.yaml")
     tokenizer = load_tokenizer(demo_dir / "model")
@@ -245,7 +245,7 @@ def test_longest_row_is_the_engine_datasets_longest_example(demo_dir):
 def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_size, attn_block,
                                              mlp_chunk, offload, tmp_path):
     """The engine's own step, measured as engine/train.py measures it."""
-    from engine.model import apply_lora, load_model
+    from segctl.engine.model import apply_lora, load_model
     free_earlier_arrays()
 
     info = model_info(str(tiny_models[arch]))

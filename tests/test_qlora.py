@@ -11,9 +11,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine import Example, loss_and_grads
-from engine.model import load_model, model_parts
-from orchestrator import planner
+from segctl.engine import Example, loss_and_grads
+from segctl.engine.model import load_model, model_parts
+from segctl.orchestrator import planner
 from tests.conftest import cli_env, random_lora, segctl
 from tests.test_train_cli import copy_demo
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas import SpecError, load_job
+from segctl.schemas import SpecError, load_job
 from tests.conftest import assert_one_line_error, segctl
 
 VALID = """\

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import state as statelib
-from orchestrator.state import LATEST, State, StateError, TransitionError
-from schemas.records import (OUTCOME_MOVES, AttemptResult, AttemptStatus, Outcome, TrialState,
-                             TuneState)
+from segctl.orchestrator import state as statelib
+from segctl.orchestrator.state import LATEST, State, StateError, TransitionError
+from segctl.schemas.records import (OUTCOME_MOVES, AttemptResult, AttemptStatus, Outcome,
+                                    TrialState, TuneState)
 from tests.test_head_isolation import World
 
 V1_SQL = Path(__file__).parent / "fixtures" / "state_v1.sql"

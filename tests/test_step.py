@@ -6,9 +6,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from engine import Example, loss_and_grads, plan_segments
-from engine.model import ModelError, load_model, model_parts
-from engine.step import StepError
+from segctl.engine import Example, loss_and_grads, plan_segments
+from segctl.engine.model import ModelError, load_model, model_parts
+from segctl.engine.step import StepError
 from tests.conftest import random_lora
 
 TOL = 1e-4  # fp32 worst relative error, per tensor: max|a-b| / max|b|

@@ -20,9 +20,9 @@ import pyarrow.dataset as pads
 import pytest
 import zarr
 
-from orchestrator.gather import gather
-from orchestrator.stores import Stores
-from schemas import store_rows as sr
+from segctl.orchestrator.gather import gather
+from segctl.orchestrator.stores import Stores
+from segctl.schemas import store_rows as sr
 from tests.conftest import cli_env
 
 PHASES = ["fwd0", "fwd1", "head", "bwd1", "bwd0", "update"]
@@ -203,7 +203,7 @@ def test_ingest_in_agent_batches_keeps_each_row_once(tmp_path):
 SEAL_SCRIPT = """
 import sys
 from pathlib import Path
-from orchestrator.stores import Stores
+from segctl.orchestrator.stores import Stores
 
 # Say where the seal is, on stdout, as it goes: the test kills it at one of these lines.
 put_parquet, put_dir = Stores._put_parquet, Stores._put_dir
@@ -332,7 +332,7 @@ def test_sealing_prunes_staging_and_keeps_every_event(tmp_path):
 SEAL_HELD = """
 import sys
 from pathlib import Path
-from orchestrator.stores import Stores
+from segctl.orchestrator.stores import Stores
 st = Stores(Path(sys.argv[1]))
 st.ingest("sw-1", "sw-1-t000", 1, [])      # set up, the attempt known: no lock needed till the end
 print("ready", flush=True)
@@ -445,8 +445,8 @@ def test_bf16_f16_f32_tensors_round_trip_bit_exact(tmp_path):
 @pytest.fixture(scope="module")
 def trained(demo_dir, tmp_path_factory):
     """A real engine run of the demo job: 3 steps, a checkpoint after steps 1 and 2."""
-    from engine.train import run
-    from schemas.job import load_job
+    from segctl.engine.train import run
+    from segctl.schemas.job import load_job
     out = tmp_path_factory.mktemp("trained") / "out"
     job = load_job(demo_dir / "job.yaml")
     job = job.model_copy(update={

@@ -72,7 +72,7 @@ def test_resume_after_kill_equals_uninterrupted(demo_dir, tmp_path):
 
     (tmp_path / "b").mkdir()
     job = copy_demo(demo_dir, tmp_path / "b", **edits)
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "train", str(job)],
+    proc = subprocess.Popen([sys.executable, "-m", "segctl.orchestrator.cli", "train", str(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=cli_env(), cwd=ROOT)
     try:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from node.raynode import alive
+from segctl.node.raynode import alive
 
 from .conftest import letter_model, probe_fresh, segctl
 
@@ -26,9 +26,9 @@ LENGTHS, SIZES = (128, 256, 384), (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from orchestrator import planner
-    from schemas.job import load_job
-    from schemas.records import ProbeSpec
+    from segctl.orchestrator import planner
+    from segctl.schemas.job import load_job
+    from segctl.schemas.records import ProbeSpec
 
     root = tmp_path_factory.mktemp("tune")
     letter_model(root, 12, 3, words=(150, 250))   # ~270 tokens at most
@@ -128,7 +128,7 @@ def test_tune_measures_the_grid_on_one_node_per_class_and_fits_it(fleet):
 
 
 def test_retune_reuses_measurements_and_the_fit_predicted_the_new_length(fleet):
-    from orchestrator import measured
+    from segctl.orchestrator import measured
     before = measured.models_of(measured.read_plan(fleet["stores"], _model_key(fleet)))
     rep = _tune(fleet, "--seq-lens", "128,192,256,384", "--segment-sizes", "1,2,4")
     assert rep["measured"] == 2 * 3 and rep["reused"] == 2 * 9
@@ -149,7 +149,7 @@ def test_retune_reuses_measurements_and_the_fit_predicted_the_new_length(fleet):
 
 
 def _model_key(fleet) -> str:
-    from orchestrator import planner
+    from segctl.orchestrator import planner
     return planner.model_key(planner.model_info(str(fleet["root"] / "model")))
 
 

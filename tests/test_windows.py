@@ -15,11 +15,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_attention_mask
 
-from engine import Example, loss_and_grads
-from engine.attention import BlockMask, blocked_grads, attend, default_rows
-from engine.data import PreferenceExample
-from engine.model import model_parts
-from engine.step import eval_loss
+from segctl.engine import Example, loss_and_grads
+from segctl.engine.attention import BlockMask, blocked_grads, attend, default_rows
+from segctl.engine.data import PreferenceExample
+from segctl.engine.model import model_parts
+from segctl.engine.step import eval_loss
 from tests.test_step import TOL, worst_rel_error
 from tests.conftest import WIDE, random_lora
 
@@ -260,8 +260,8 @@ def test_the_plain_reference_is_the_models_own_forward_and_nothing_leaks():
 
 def test_hand_written_attention_keeps_array_masks():
     # gemma2 computes its scores by hand (soft-capped), so it never sees a BlockMask.
-    from engine.attention import takes_block_masks
-    from engine.step import Stream, _masks
+    from segctl.engine.attention import takes_block_masks
+    from segctl.engine.step import Stream, _masks
     gemma2 = importlib.import_module("mlx_lm.models.gemma2")
     layer = gemma2.TransformerBlock(gemma2.ModelArgs.from_dict(dict(
         model_type="gemma2", hidden_size=32, num_hidden_layers=1, intermediate_size=64,

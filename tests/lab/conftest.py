@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import lab as lablib
+from segctl.orchestrator import lab as lablib
 
 HOSTS = 3
 

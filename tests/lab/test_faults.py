@@ -36,10 +36,10 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from orchestrator import lab as lablib
-from orchestrator import state as statelib
-from orchestrator.stores import _checkpoint_dirs
-from schemas import store_rows as sr
+from segctl.orchestrator import lab as lablib
+from segctl.orchestrator import state as statelib
+from segctl.orchestrator.stores import _checkpoint_dirs
+from segctl.schemas import store_rows as sr
 
 from .conftest import run_in, ssh
 
@@ -264,7 +264,7 @@ def _table(root: Path, name: str, sid: str, columns: list[str]) -> dict[str, lis
 
 
 def engines(lab) -> list[tuple[str, int, str]]:
-    """Engine processes (`python -m node.worker`) running in any host."""
+    """Engine processes (`python -m segctl.node.worker`) running in any host."""
     found = []
     for h in lab.hosts:
         for pid in lablib.pids(h):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import lab as lablib
+from segctl.orchestrator import lab as lablib
 from tests.conftest import segctl
 
 from .conftest import commands, ssh
@@ -237,8 +237,8 @@ except Exception as e:
 
 NODE_TABLE = """
 import json, sys
-from node.raynode import gcs_nodes
-from node.probe import ray_env
+from segctl.node.raynode import gcs_nodes
+from segctl.node.probe import ray_env
 try:
     nodes = gcs_nodes(sys.argv[1], ray_env(sys.argv[2]))
     print(json.dumps(sorted(n["ip"] for n in nodes if n["alive"])))

@@ -10,8 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
-from node import raynode
-from orchestrator import lab as lablib
+from segctl.node import raynode
+from segctl.orchestrator import lab as lablib
 
 from .conftest import HOSTS, commands, run_in, ssh
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import lab as lablib
+from segctl.orchestrator import lab as lablib
 
 from .conftest import ssh
 

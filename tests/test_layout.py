@@ -1,0 +1,87 @@
+"""The import layout: one import name (`segctl`) and imports that point one way.
+
+Every import of our packages goes through `segctl.` (a bare `import engine` would
+load a second copy of a module, with its own enums and classes); the wheel
+installs only `segctl/`; and orchestrator -> node -> engine -> schemas, with the
+engine never importing Ray."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import ROOT
+
+PACKAGES = ("schemas", "engine", "node", "orchestrator")   # lowest first
+# what each package may import of ours
+ALLOWED = {"schemas": {"schemas"}, "engine": {"schemas", "engine"},
+           "node": {"schemas", "engine", "node"},
+           "orchestrator": {"schemas", "engine", "node", "orchestrator"}}
+
+
+def _imports(path):
+    """(line, the imported module's full name) of every absolute import in `path`."""
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Import):
+            yield from ((n.lineno, a.name) for a in n.names)
+        elif isinstance(n, ast.ImportFrom) and n.level == 0:
+            yield n.lineno, n.module
+
+
+def _sources():
+    for folder in PACKAGES + ("tests", "bench", "examples", "segctl"):
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_our_packages_are_imported_only_as_segctl_subpackages():
+    bare = [f"{p.relative_to(ROOT)}:{line}: {name}" for p in _sources()
+            for line, name in _imports(p) if name.split(".")[0] in PACKAGES]
+    assert not bare, "import these as segctl.X:\n" + "\n".join(bare)
+
+
+def test_imports_point_one_way_and_the_engine_never_imports_ray():
+    wrong = []
+    for pkg in PACKAGES:
+        for p in sorted((ROOT / pkg).glob("*.py")):
+            for line, name in _imports(p):
+                parts = name.split(".")
+                ours = parts[1] if parts[0] == "segctl" and len(parts) > 1 else None
+                if ours and ours not in ALLOWED[pkg]:
+                    wrong.append(f"{p.relative_to(ROOT)}:{line}: {name}")
+                if pkg in ("schemas", "engine") and parts[0] == "ray":
+                    wrong.append(f"{p.relative_to(ROOT)}:{line}: {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_wheel_installs_one_top_level_name(tmp_path):
+    pytest.importorskip("setuptools")   # in the test extras: make install has it
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                           "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [wheel] = tmp_path.glob("segctl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"segctl"}, tops
+    for pkg in PACKAGES:
+        assert f"segctl/{pkg}/__init__.py" in names
+    assert "segctl/engine/step.py" in names and "segctl/node/worker.py" in names
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "segctl = segctl.orchestrator.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_the_worker_module_resolves_by_name_with_nothing_on_its_path(tmp_path):
+    """What an attempt's process gets (node/attempt.py starts `python -m
+    segctl.node.worker` this way): no PYTHONPATH, its cwd elsewhere. The fleet
+    tests run real attempts through it."""
+    code = "import importlib.util as u; print(u.find_spec('segctl.node.worker').origin)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(ROOT / "node" / "worker.py")
