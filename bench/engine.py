@@ -34,6 +34,7 @@ import sys
 import time
 from functools import partial
 
+import segctl  # noqa: F401 (first: it sizes MLX's CUDA attention caches before MLX loads)
 import mlx.core as mx
 import mlx.nn as nn
 

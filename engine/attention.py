@@ -45,21 +45,13 @@ the blocked backward returns their gradient too.
 
 from __future__ import annotations
 
-import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-
-# MLX on CUDA keeps one cuDNN attention graph per shape in a small cache (256
-# forward, 64 backward) and stops the process when it thrashes. Blocked attention
-# calls one shape per block (rows [i, i + block) over keys [0, i + block)): 128
-# at 128K tokens in blocks of 1024, the same in every layer. Room for them all
-# (until the process's first attention call reads these; a user's own setting wins).
-for _var in ("MLX_CUDA_SDPA_CACHE_SIZE", "MLX_CUDA_SDPA_BACKWARD_CACHE_SIZE"):
-    os.environ.setdefault(_var, "2048")
+# (MLX's CUDA attention cache sizes are set in segctl/__init__.py, before MLX loads.)
 
 
 @dataclass(frozen=True)

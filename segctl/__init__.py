@@ -17,3 +17,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and \
         os.path.isfile(os.path.join(_ROOT, "engine", "__init__.py")):
     __path__.append(os.path.join(_ROOT))   # noqa: F821 (a package's own __path__)
+
+# MLX on CUDA keeps one cuDNN attention graph per shape in a small cache (256
+# forward, 64 backward, read when MLX loads) and stops the process when it
+# thrashes. Blocked attention calls one shape per block (rows [i, i + block) over
+# keys [0, i + block)): 512 at 128K tokens in blocks of 256, the same in every
+# layer. Room for them all, set here because every entry point (the CLI, the
+# engine worker, the benchmarks) imports segctl before MLX; a user's own setting wins.
+for _var in ("MLX_CUDA_SDPA_CACHE_SIZE", "MLX_CUDA_SDPA_BACKWARD_CACHE_SIZE"):
+    os.environ.setdefault(_var, "2048")

@@ -85,3 +85,21 @@ def test_the_worker_module_resolves_by_name_with_nothing_on_its_path(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == str(ROOT / "node" / "worker.py")
+
+
+def test_segctl_sizes_mlxs_attention_caches_before_mlx_loads(tmp_path):
+    """MLX reads its CUDA attention cache sizes when it loads: every entry point
+    imports segctl first, which sets them unless the user did."""
+    code = ("import os, segctl, mlx.core; "
+            "print(os.environ['MLX_CUDA_SDPA_CACHE_SIZE'], "
+            "os.environ['MLX_CUDA_SDPA_BACKWARD_CACHE_SIZE'])")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                                       env=env | extra, capture_output=True, text=True,
+                                       timeout=120).stdout.split()
+    assert run({}) == ["2048", "2048"]
+    assert run({"MLX_CUDA_SDPA_CACHE_SIZE": "64"}) == ["64", "2048"]
+    # the benchmark imports segctl before MLX too
+    first = [l for l in (ROOT / "bench" / "engine.py").read_text().splitlines()
+             if l.startswith(("import segctl", "import mlx"))]
+    assert first[0].startswith("import segctl"), first
