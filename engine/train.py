@@ -2,8 +2,9 @@
 
 Reads top to bottom as the story of a run: load and check everything (nothing is
 written before the inputs are known good), put LoRA on the model, maybe resume,
-then step -> maybe eval -> maybe checkpoint, and save the adapter. Everything the
-run has to say goes out as telemetry events through `emit`.
+then step -> maybe eval (keeping the adapter of the best one, maybe stopping early)
+-> maybe checkpoint, and save the adapter. Everything the run has to say goes out
+as telemetry events through `emit`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from .step import StepError, eval_loss, loss_and_grads, supervised_tokens
 
 Emit = Callable[[ev.Event], None]
 GB = 1e9
+ADAPTER = "adapters.safetensors"
+BEST_ADAPTER = "best_adapters.safetensors"   # the adapter of the best eval, beside the last
 
 
 class OOMError(RuntimeError):
@@ -75,12 +78,13 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     total = job.train.iters or job.train.epochs * len(train_set)
     lr = schedule(job.train.learning_rate, job.train.schedule, warmup=job.train.warmup, total=total)
     optimizer = make_optimizer(lr, job.train.weight_decay)
-    start_step = 0
+    start_step, best = 0, BestSoFar()
     if ckpt is not None:
-        start_step = load_checkpoint(ckpt, model, optimizer)
+        start_step, best = load_checkpoint(ckpt, model, optimizer)
 
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "adapter_config.json", adapter_config)
+    best = restore_best(out, ckpt, best)
     seg = job.memory.segment_size
     mode = "segmented" if seg else ("grad_checkpoint" if job.memory.grad_checkpoint else "plain")
     n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
@@ -97,9 +101,12 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     scratch = str(out / "scratch") if job.memory.offload != "none" and seg else None
     method = method_options(job)
     t_run = time.perf_counter()
-    loss = val = None
+    loss = val = stop = None
+    early = job.train.early_stop
+    last = start_step
     model.train()
     for step in range(start_step + 1, total + 1):
+        last = step
         example = example_at(train_set, job.train.seed, step - 1)
         # The RNG is a function of (seed, step): a resumed run draws what the
         # uninterrupted one would have.
@@ -127,15 +134,26 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
                           or step == total):
             val = evaluate(model, parts, valid_set, job, step, emit, clock)
+            if track_best(best, step, val, early.min_delta if early else 0.0):
+                _save_tensors(out / BEST_ADAPTER, model.trainable_parameters())
+            if early and best.stale >= early.patience and step < total:
+                # before any checkpoint of this step: a resume reaches the same stop
+                stop = (f"val_loss did not improve by more than {early.min_delta:g} in "
+                        f"{best.stale} eval(s); best {best.val_loss:.6g} at step {best.step}")
+                break
         if job.train.checkpoint_every and step % job.train.checkpoint_every == 0 and step < total:
-            path = save_checkpoint(out, step, model, optimizer, adapter_config, job.train.seed)
+            path = save_checkpoint(out, step, model, optimizer, adapter_config, job.train.seed,
+                                   best)
             emit(ev.Checkpoint(time=clock(), step=step, path=str(path)))
 
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)  # empty: its files were unlinked at birth
     adapter = save_adapter(out, model)
-    emit(ev.End(time=clock(), step=total, adapter=str(adapter), final_loss=loss, val_loss=val,
-                seconds=time.perf_counter() - t_run))
+    emit(ev.End(time=clock(), step=last, adapter=str(adapter), final_loss=loss, val_loss=val,
+                seconds=time.perf_counter() - t_run,
+                best_adapter=str(out / BEST_ADAPTER) if best.step is not None else None,
+                best_step=best.step, best_val_loss=best.val_loss if best.step is not None else None,
+                stopped_early=stop is not None, stop_reason=stop))
     return out
 
 
@@ -235,6 +253,35 @@ def example_at(ds: Dataset, seed: int, position: int):
     return ds.examples[epoch_order(n, seed, epoch)[i]]
 
 
+@dataclass
+class BestSoFar:
+    """The eval with the lowest val_loss so far (its adapter is BEST_ADAPTER), and how
+    many evals in a row have not beaten the best by more than early_stop's min_delta."""
+    step: int | None = None
+    val_loss: float = math.inf
+    stale: int = 0
+
+    def state(self) -> dict:
+        return {"best_step": self.step, "best_val_loss": None if self.step is None else self.val_loss,
+                "stale_evals": self.stale}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "BestSoFar":
+        if state.get("best_step") is None:   # none yet, or a checkpoint from before best tracking
+            return cls()
+        return cls(int(state["best_step"]), float(state["best_val_loss"]),
+                   int(state.get("stale_evals", 0)))
+
+
+def track_best(best: BestSoFar, step: int, val: float, min_delta: float) -> bool:
+    """Count the eval into `best`; True when it is a new best (its adapter is to be kept)."""
+    best.stale = 0 if val < best.val_loss - min_delta else best.stale + 1
+    if val < best.val_loss:
+        best.step, best.val_loss = step, val
+        return True
+    return False
+
+
 def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, clock) -> float:
     tic = time.perf_counter()
     rows = valid.examples if job.train.val_batches < 0 else valid.examples[:job.train.val_batches]
@@ -254,25 +301,41 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
 # ---------------------------------------------------------------- files
 
 def save_adapter(folder: Path, model) -> Path:
-    return _save_tensors(folder / "adapters.safetensors", model.trainable_parameters())
+    return _save_tensors(folder / ADAPTER, model.trainable_parameters())
+
+
+def restore_best(out: Path, ckpt: Path | None, best: BestSoFar) -> BestSoFar:
+    """The best eval as of the checkpoint resumed from, with its adapter in `out`. A
+    newer one there (from an eval after the checkpoint) is replaced: the run writes it
+    again when it passes that eval."""
+    kept = ckpt / BEST_ADAPTER if ckpt is not None else None
+    if best.step is not None and kept is not None and kept.is_file():
+        write_atomic(out / BEST_ADAPTER, kept.read_bytes())
+        return best
+    (out / BEST_ADAPTER).unlink(missing_ok=True)   # none as of the checkpoint: none yet
+    return BestSoFar()
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer, adapter_config: dict,
-                    seed: int, keep: int = 3) -> Path:
-    """adapter + optimizer state + step/data position, written to a temp folder and
-    renamed into place, so a crash never leaves a half checkpoint."""
+                    seed: int, best: BestSoFar, keep: int = 3) -> Path:
+    """adapter + optimizer state + step/data position (+ the best eval so far and its
+    adapter), written to a temp folder and renamed into place, so a crash never leaves
+    a half checkpoint."""
     root = out / "checkpoints"
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _save_tensors(tmp / "adapters.safetensors", model.trainable_parameters())
+    _save_tensors(tmp / ADAPTER, model.trainable_parameters())
     _save_tensors(tmp / "optimizer.safetensors", optimizer.state)
     _write_json(tmp / "adapter_config.json", adapter_config)
+    if best.step is not None:
+        write_atomic(tmp / BEST_ADAPTER, (out / BEST_ADAPTER).read_bytes())
     # Data position is the step (the order is a function of seed and epoch);
     # the RNG is reseeded from (seed, step) every step.
     _write_json(tmp / "state.json", {"step": step, "data_position": step, "seed": seed,
-                                     "rng": "mx.random.seed(seed * 1000003 + step)"})
+                                     "rng": "mx.random.seed(seed * 1000003 + step)",
+                                     **best.state()})
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     fsync_dir(root)
@@ -286,12 +349,14 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, model, optimizer) -> int:
-    model.load_weights(list(mx.load(str(path / "adapters.safetensors")).items()), strict=False)
+def load_checkpoint(path: Path, model, optimizer) -> tuple[int, BestSoFar]:
+    """Loads the adapter and optimizer state; returns the step and the best eval so far."""
+    model.load_weights(list(mx.load(str(path / ADAPTER)).items()), strict=False)
     state = mx.load(str(path / "optimizer.safetensors"))
     optimizer.state = tree_unflatten(list(state.items()))
     mx.eval(model.parameters(), optimizer.state)
-    return int(json.loads((path / "state.json").read_text())["step"])
+    saved = json.loads((path / "state.json").read_text())
+    return int(saved["step"]), BestSoFar.from_state(saved)
 
 
 def _save_tensors(path: Path, tree) -> Path:

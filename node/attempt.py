@@ -150,12 +150,18 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     elif code == ev.EXIT_OK and end is not None:
         outcome, message = "succeeded", ""
         adapter = _read_files(out, ("adapters.safetensors", "adapter_config.json"))
+        best = {}
+        if end.get("best_adapter"):   # the best eval's adapter, beside the last in `out`
+            best = {"adapters.safetensors": (out / Path(end["best_adapter"]).name).read_bytes(),
+                    "adapter_config.json": adapter["adapter_config.json"]}
         # what leaves this node, by digest, in the attempt's own telemetry: the head's
         # copy (`segctl gather`) can be checked against it
+        digest = lambda files: {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
         send_events([{"event": "adapter", "seq": seq, "time": time.time(),
-                      "sha256": {n: hashlib.sha256(b).hexdigest() for n, b in adapter.items()}}])
+                      "sha256": digest(adapter), **({"best_sha256": digest(best)} if best else {})}])
         result.update(final_loss=end.get("final_loss"), val_loss=end.get("val_loss"),
-                      adapter=adapter)
+                      adapter=adapter, best_adapter=best, best_step=end.get("best_step"),
+                      best_val_loss=end.get("best_val_loss"))
     elif code == ev.EXIT_OOM:
         outcome, message = "oom", err["message"] if err else "memory budget crossed"
     elif code == ev.EXIT_BAD_INPUT:

@@ -539,14 +539,17 @@ def resume(sweep, cluster_file, detach: bool, as_json: bool):
 @click.argument("sweep")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="new folder: one mlx-lm adapter folder per trial + manifest.json")
-@click.option("--best", type=int, default=None, help="only the K best trials by --metric")
+@click.option("--best", type=int, default=None,
+              help="only the K best trials by --metric (val_loss: each trial's best eval)")
 @click.option("--metric", default="val_loss", show_default=True,
               type=click.Choice(["val_loss", "final_loss"]), help="lower is better")
 @cluster_option
 def gather(sweep, out: Path, best, metric, cluster_file):
     """Export a sweep's adapters: OUT/<trial>/ loads with
-    mlx_lm.load(model, adapter_path=OUT/<trial>); OUT/manifest.json lists trial,
-    parameters, metrics and the sha256 of every file."""
+    mlx_lm.load(model, adapter_path=OUT/<trial>) and holds the adapter of the trial's
+    best eval where it had a validation set, else its last; OUT/manifest.json lists
+    trial, parameters, metrics, which adapter ("best" or "last") from which step, and
+    the sha256 of every file."""
     from segctl.orchestrator.gather import gather as do_gather
     from segctl.orchestrator.stores import Stores
     from segctl.schemas.records import TrialState

@@ -1,5 +1,7 @@
 """`segctl gather`: a sweep's adapters out of the stores, one mlx-lm adapter folder
 per trial plus a manifest, ready for `mlx_lm.load(model, adapter_path=OUT/<trial>)`.
+Each trial's folder holds its best eval's adapter where the stores have one (it had
+a validation set), else its last; the manifest says which, and from which step.
 
 The whole folder is built next to `out` and renamed into place at the end, so a
 crash or an error leaves either nothing or the finished folder.
@@ -42,12 +44,16 @@ def gather(stores: Stores, trials: list[dict], out: Path, best: int | None = Non
         for t in chosen:
             folder = tmp / t["trial"]
             folder.mkdir()
-            files = stores.adapter_files(t["trial"])
+            kind, info = exported(stores, t["trial"])
+            files = stores.adapter_files(t["trial"], kind)
             for name, blob in files.items():
                 _write(folder / name, blob)
             fsync_dir(folder)
+            metrics = dict(t.get("metrics") or {})
+            if kind == "best":
+                metrics["best_val_loss"] = info["val_loss"]
             manifest.append({"trial": t["trial"], "params": t.get("params") or {},
-                             "metrics": t.get("metrics") or {},
+                             "metrics": metrics, "adapter": kind, "step": info["step"],
                              "files": {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}})
         _write(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
         fsync_dir(tmp)   # every entry in place before the folder is renamed in
@@ -60,7 +66,8 @@ def gather(stores: Stores, trials: list[dict], out: Path, best: int | None = Non
 
 def pick(stores: Stores, trials: list[dict], best: int | None, metric: str) -> list[dict]:
     """The trials to export: succeeded, with an adapter; ranked by `metric` (missing
-    or not a number sorts last) and cut to `best` when given, else in the order given."""
+    or not a number sorts last; val_loss is the best eval's where the trial's best
+    adapter is exported) and cut to `best` when given, else in the order given."""
     ok = [t for t in trials
           if t.get("state") == TrialState.SUCCEEDED and stores.has_adapter(t["trial"])]
     if best is None:
@@ -68,9 +75,24 @@ def pick(stores: Stores, trials: list[dict], best: int | None, metric: str) -> l
 
     def key(t):
         v = (t.get("metrics") or {}).get(metric)
+        kind, info = exported(stores, t["trial"])
+        if metric == "val_loss" and kind == "best" and info["val_loss"] is not None:
+            v = info["val_loss"]
         missing = not isinstance(v, (int, float)) or math.isnan(v)
         return (missing, 0.0 if missing else v)
     return sorted(ok, key=key)[:best]
+
+
+def exported(stores: Stores, trial: str) -> tuple[str, dict]:
+    """Which of the trial's adapters gather exports ("best" or "last") and its
+    {attempt, step, val_loss}: the best eval's when the stores have one from the
+    same attempt as the last (an older attempt's, left by a run that failed after
+    it was stored, is not this trial's result)."""
+    last = stores.adapter_info(trial)
+    best = stores.adapter_info(trial, "best")
+    if best is not None and last is not None and best["attempt"] == last["attempt"]:
+        return "best", best
+    return "last", last
 
 
 def _write(path: Path, blob: bytes) -> None:

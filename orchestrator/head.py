@@ -574,7 +574,11 @@ class Controller:
         seg, node = a["segment_size"], a["node"]
         if r.outcome == Outcome.SUCCEEDED:
             try:
-                self.stores.put_adapter(sid, tid, aid, r.adapter)
+                if r.best_adapter:   # first: the last adapter in place means both are
+                    self.stores.put_adapter(sid, tid, aid, r.best_adapter, kind="best",
+                                            step=r.best_step, val_loss=r.best_val_loss)
+                self.stores.put_adapter(sid, tid, aid, r.adapter, step=r.steps or None,
+                                        val_loss=r.val_loss)
             except Exception as e:
                 line = self.fault(f"attempt {aid}: storing its adapter", e)
                 r = AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,

@@ -8,7 +8,9 @@ per-phase memory once an attempt ends, adapters and checkpoints per trial.
                      steps/, evals/, attempts/ (schemas/store_rows.py), and events/:
                      every event as delivered (what `segctl logs` reads once sealed)
     memory.zarr      <sweep>/<trial>/attempt-<id>: float32 [steps, phases] peaks
-    adapters.zarr    <trial>/adapter: one array per LoRA tensor;
+    adapters.zarr    <trial>/adapter: one array per LoRA tensor (the last step's);
+                     <trial>/best_adapter: the same for the best eval's adapter, when the
+                     trial had a validation set;
                      <trial>/checkpoints/step-NNNNNNN: one uint8 array per file
 
 The collector on the head is the only writer; `segctl status/logs/gather` read.
@@ -70,6 +72,8 @@ DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<f4",
 ITEMSIZE = {"BF16": 2}
 # zarr skips a chunk equal to the fill value, and -0.0 == 0.0: write them all, for bit-exactness.
 _EVERY_CHUNK = {"write_empty_chunks": True}
+# The adapters kept per trial: the last step's, and the best eval's (lowest val_loss).
+ADAPTER_KINDS = ("last", "best")
 # An attempt's events as delivered, kept when it is sealed: its staging rows go.
 EVENTS = "events"
 EVENTS_SCHEMA = pa.schema([("trial", pa.string()), ("attempt", pa.int64()), ("seq", pa.int64()),
@@ -166,10 +170,15 @@ class Stores:
             for old in _checkpoint_dirs(ckpts)[:-sr.KEEP_CHECKPOINTS]:
                 self._remove(old)
 
-    def put_adapter(self, sweep: str, trial: str, attempt: int, files: dict[str, bytes]) -> None:
-        """Keep a trial's final adapter: its tensors as arrays (bit-exact), the config
-        and the safetensors header as attributes, so the files can be rebuilt as they were."""
+    def put_adapter(self, sweep: str, trial: str, attempt: int, files: dict[str, bytes], *,
+                    kind: str = "last", step: int | None = None,
+                    val_loss: float | None = None) -> None:
+        """Keep a trial's adapter of `kind` (last: the final one; best: its best eval's):
+        its tensors as arrays (bit-exact), the config and the safetensors header as
+        attributes, so the files can be rebuilt as they were; with the attempt, and the
+        step and val_loss it is from where known."""
         _safe("trial", trial)
+        path = _adapter_path(trial, kind)
         missing = {"adapters.safetensors", "adapter_config.json"} - set(files)
         if missing:
             raise ValueError(f"trial {trial}: adapter is missing {sorted(missing)}")
@@ -181,11 +190,13 @@ class Stores:
         except ValueError as e:
             raise ValueError(f"trial {trial}: adapter_config.json: {e}") from None
         attrs = dict(adapter_config=config, dtypes={n: t[0] for n, t in tensors.items()},
-                     safetensors_header=header_text, attempt=int(attempt), sweep=sweep, trial=trial)
+                     safetensors_header=header_text, attempt=int(attempt), sweep=sweep, trial=trial,
+                     step=None if step is None else int(step),
+                     val_loss=None if val_loss is None else float(val_loss))
         with self._lock:
             self._db(write=True)
             self._ensure_group(self.root / sr.ADAPTERS_ZARR / trial)
-            self._put_dir(self.root / sr.adapter_group(trial),
+            self._put_dir(self.root / path,
                           lambda folder: write_tensors_group(folder, tensors, attrs))
 
     # ================================================================ read side
@@ -226,19 +237,27 @@ class Stores:
                 return int(g.attrs["step"]), files
         raise RuntimeError(f"trial {trial}: checkpoints keep changing under the reader")
 
-    def has_adapter(self, trial: str) -> bool:
-        return (self.root / sr.adapter_group(trial) / "zarr.json").is_file()
+    def has_adapter(self, trial: str, kind: str = "last") -> bool:
+        return (self.root / _adapter_path(trial, kind) / "zarr.json").is_file()
 
-    def adapter(self, trial: str) -> tuple[dict[str, np.ndarray], dict]:
+    def adapter_info(self, trial: str, kind: str = "last") -> dict | None:
+        """{attempt, step, val_loss} of the trial's adapter of `kind` (step and val_loss
+        None where not known), or None when there is none."""
+        if not self.has_adapter(trial, kind):
+            return None
+        a = self._adapter_group(trial, kind).attrs
+        return {"attempt": a.get("attempt"), "step": a.get("step"), "val_loss": a.get("val_loss")}
+
+    def adapter(self, trial: str, kind: str = "last") -> tuple[dict[str, np.ndarray], dict]:
         """The trial's LoRA tensors (name -> array in its original dtype; bfloat16,
         which numpy lacks, comes back widened to float32) and its adapter_config."""
-        g = self._adapter_group(trial)
+        g = self._adapter_group(trial, kind)
         return {n: g[n][...] for n in g.attrs["dtypes"]}, dict(g.attrs["adapter_config"])
 
-    def adapter_files(self, trial: str) -> dict[str, bytes]:
+    def adapter_files(self, trial: str, kind: str = "last") -> dict[str, bytes]:
         """The trial's mlx-lm adapter folder, rebuilt: adapters.safetensors (the same
         bytes the engine wrote) and adapter_config.json."""
-        g = self._adapter_group(trial)
+        g = self._adapter_group(trial, kind)
         header_text = g.attrs["safetensors_header"]
         raw = {n: _tensor_bytes(g[n][...], code) for n, code in g.attrs["dtypes"].items()}
         return {"adapters.safetensors": write_safetensors(header_text, raw),
@@ -323,10 +342,10 @@ class Stores:
             with _transaction(con):
                 con.execute("DELETE FROM events WHERE attempt = ?", (attempt,))
 
-    def _adapter_group(self, trial: str):
-        if not self.has_adapter(trial):
-            raise KeyError(f"trial {trial}: no adapter in the stores")
-        return zarr.open_group(store=LocalStore(self.root / sr.adapter_group(trial),
+    def _adapter_group(self, trial: str, kind: str = "last"):
+        if not self.has_adapter(trial, kind):
+            raise KeyError(f"trial {trial}: no {kind} adapter in the stores")
+        return zarr.open_group(store=LocalStore(self.root / _adapter_path(trial, kind),
                                                 read_only=True), mode="r")
 
     # ---- atomic placement: a file through private_file (schemas.atomic); a zarr
@@ -563,6 +582,13 @@ def _safe(key: str, name: str) -> None:
             or any(c in name for c in "/\\\0%")):
         raise ValueError(f"{key}: {name!r} cannot be used as a name in the stores "
                          "(empty, starts with '.' or '__', or has / \\ %)")
+
+
+def _adapter_path(trial: str, kind: str) -> str:
+    """Where a trial's adapter of `kind` lives, relative to the stores root."""
+    if kind not in ADAPTER_KINDS:
+        raise ValueError(f"adapter kind {kind!r} is not one of {ADAPTER_KINDS}")
+    return sr.adapter_group(trial) if kind == "last" else f"{sr.ADAPTERS_ZARR}/{trial}/best_adapter"
 
 
 def _checkpoint_dirs(folder: Path) -> list[Path]:

@@ -73,11 +73,17 @@ class Checkpoint(Event):
 
 class End(Event):
     event: Literal["end"] = "end"
-    step: int
+    step: int                      # the last step run (before total_steps when stopped early)
     adapter: str
     final_loss: Optional[float]
-    val_loss: Optional[float]
+    val_loss: Optional[float]      # the last eval's
     seconds: float
+    # The adapter of the eval with the lowest val_loss (None without a validation set).
+    best_adapter: Optional[str] = None
+    best_step: Optional[int] = None
+    best_val_loss: Optional[float] = None
+    stopped_early: bool = False    # train.early_stop ended the run at `step`
+    stop_reason: Optional[str] = None
 
 
 class Error(Event):

@@ -50,6 +50,14 @@ class LoraSpec(Strict):
                                                         "default every linear")
 
 
+class EarlyStopSpec(Strict):
+    metric: Literal["val_loss"] = Field("val_loss", description="what is watched, lower is better")
+    patience: int = Field(ge=1, le=MAX_STEPS,
+                          description="evals in a row without improvement before the run ends")
+    min_delta: float = Field(0.0, ge=0, description="an eval improves when it beats the best so "
+                                                    "far by more than this")
+
+
 class TrainSpec(Strict):
     iters: Optional[int] = Field(None, ge=1, le=MAX_STEPS, description="optimizer steps (one row each)")
     epochs: Optional[int] = Field(None, ge=1, le=MAX_STEPS,
@@ -66,6 +74,9 @@ class TrainSpec(Strict):
                              description="validation rows per evaluation; -1 = all")
     checkpoint_every: int = Field(0, ge=0, le=MAX_STEPS,
                                   description="checkpoint every N steps; 0 = never")
+    early_stop: Optional[EarlyStopSpec] = Field(
+        None, description="end the run once the metric stopped improving (needs data.valid and "
+                          "eval_every); the adapter of the best eval is kept either way")
 
     @model_validator(mode="after")
     def _one_length(self):
@@ -73,6 +84,12 @@ class TrainSpec(Strict):
             raise ValueError("give either iters or epochs")
         if self.iters is not None and self.epochs is not None:
             raise ValueError("give iters or epochs, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _early_stop_needs_evals(self):
+        if self.early_stop is not None and not self.eval_every:
+            raise ValueError("early_stop needs eval_every >= 1 (it counts evals without improvement)")
         return self
 
 
@@ -188,6 +205,8 @@ class JobSpec(Strict):
     def _modes(self):
         if self.memory.grad_checkpoint and self.memory.segment_size not in (0,):
             raise ValueError("memory.grad_checkpoint needs memory.segment_size 0")
+        if self.train.early_stop is not None and not self.data.valid:
+            raise ValueError("train.early_stop needs data.valid (the validation set it watches)")
         return self
 
 

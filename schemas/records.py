@@ -191,3 +191,8 @@ class AttemptResult(BaseModel):
     final_loss: Optional[float] = None
     val_loss: Optional[float] = None
     adapter: dict[str, bytes] = {}   # adapters.safetensors + adapter_config.json on success
+    # The adapter of the run's best eval (the lowest val_loss), named as `adapter`'s files;
+    # empty when the job has no validation set.
+    best_adapter: dict[str, bytes] = {}
+    best_step: Optional[int] = None
+    best_val_loss: Optional[float] = None
