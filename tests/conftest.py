@@ -33,6 +33,18 @@ SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle
     "test_hygiene.py::test_attempt_folders_do_not_pile_up_on_a_node",             # 6 s
     "test_orpo.py::test_prefix_shared_peak_is_below_two_branch",                  # 4 s
     "test_hostile.py::test_refused_by_the_real_process",   # 3 s; the same cases run in-process
+    # end-to-end runs of a whole job through the CLI or a fresh process, 4-9 s each;
+    # the fast lane keeps the unit tests of the same parts
+    "test_stores.py::test_a_crash_during_seal_leaves_nothing_half_written",     # 9 s
+    "test_train_cli.py::test_resume_after_kill_equals_uninterrupted",           # 7 s
+    "test_train_cli.py::test_bad_model_folders",                                # 6 s
+    "test_train_cli.py::test_memory_guard_stops_with_oom_and_keeps_checkpoint", # 4 s
+    "test_best.py::test_the_head_stores_the_best_and_gather_exports_it",        # 6 s
+    "test_best.py::test_early_stop_ends_the_run_and_the_best_evals_adapter_is_kept",  # 5 s
+    "test_qlora.py::test_qlora_job_trains_and_the_adapter_loads_in_mlx_lm",     # 6 s
+    "test_dpo.py::test_segctl_trains_a_dpo_job",                                # 5 s
+    "test_memory.py::test_segment_size_one_peaks_below_plain_and_checkpoint",   # 4 s
+    "test_gemma4_model.py::test_init_demo_gemma4_orpo",                         # 3 s
 }
 # Tests that use these fixtures (test_measured's `probed`: the demo probed at every
 # grid point in fresh processes, 7 s) are slow with them.
