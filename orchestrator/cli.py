@@ -395,7 +395,7 @@ def submit(sweep_file: Path, cluster_file, detach: bool, as_json: bool):
     starts on this machine (one node, its real memory) and the stores live in
     $SEGCTL_HOME (default ~/.segctl). Without --detach a live table follows the
     trials to the end (Ctrl-C leaves the sweep running). Exit 0 when every
-    trial succeeded, 1 otherwise.
+    trial succeeded (or was stopped by the sweep's asha scheduler), 1 otherwise.
     """
     spec = _cluster(cluster_file)
     payload = _payload(sweep_file, spec)   # every refusal comes before Ray is even imported
@@ -439,9 +439,14 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
     finally:
         if live:
             live.stop()
-    failed = [t for t in sw["trials"] if t["state"] != TrialState.SUCCEEDED]
-    click.echo(f"sweep {sid} {sw['state'].lower()}: {len(sw['trials']) - len(failed)} of "
-               f"{len(sw['trials'])} trials succeeded; stores in {root}", err=True)
+    # a trial the sweep's scheduler stopped went as the sweep asked
+    stopped = [t for t in sw["trials"] if t["state"] == TrialState.STOPPED]
+    failed = [t for t in sw["trials"] if t["state"] not in (TrialState.SUCCEEDED,
+                                                            TrialState.STOPPED)]
+    click.echo(f"sweep {sid} {sw['state'].lower()}: "
+               f"{len(sw['trials']) - len(failed) - len(stopped)} of {len(sw['trials'])} trials "
+               f"succeeded" + (f", {len(stopped)} stopped early (asha)" if stopped else "")
+               + f"; stores in {root}", err=True)
     return 0 if not failed else 1
 
 

@@ -40,6 +40,7 @@ from segctl.schemas.job import JobSpec
 from segctl.schemas.records import (OUTCOME_MOVES, TERMINAL, AttemptResult, AttemptSpec,
                                     AttemptStatus, NodeInfo, Outcome, ProbeSpec, SweepState,
                                     TrialState, TuneState)
+from segctl.schemas.sweep import SchedulerSpec
 
 from . import measured, planner
 from .state import State, read as read_state
@@ -117,15 +118,20 @@ class Controller:
                 tid = t["id"]
                 self.state.move(tid, TrialState.CANCELLED, "cancelled by user")
                 done.append(tid)
-                for a in self.state.open_attempts(tid):
-                    agent = self.agents.get(a["node"])
-                    if agent is not None:
-                        agent.cancel.remote(a["id"])
+                self._cancel_attempts(tid)
             if sweep is not None:
                 self.state.set_sweep_state(target, SweepState.CANCELLED, "cancelled by user")
             else:
                 self._maybe_done(self.state.trial(target)["sweep"])
             return done
+
+    def _cancel_attempts(self, tid: str) -> None:
+        """Ask the agents running trial `tid`'s attempts to end them (each comes back
+        through `finish`, which finds its trial terminal already)."""
+        for a in self.state.open_attempts(tid):
+            agent = self.agents.get(a["node"])
+            if agent is not None:
+                agent.cancel.remote(a["id"])
 
     def resume(self, sid: str) -> dict:
         with self.mu:
@@ -219,7 +225,41 @@ class Controller:
                 last = steps[-1]
                 peak = max([a["peak_gb"] or 0.0] + [e["peak_gb"] for e in steps])
                 self.state.update_attempt(aid, step=last["step"], loss=last["loss"], peak_gb=peak)
+            evals = [e for e in events if e.get("event") == "eval"]
+            if evals:
+                self.guarded(f"attempt {aid}: asha at its evals", self.judge, a, evals)
             return new
+
+    def judge(self, a, evals: list[dict]) -> None:
+        """Asynchronous successive halving (the ASHA paper; Ray Tune's AsyncHyperBand):
+        a trial's eval at a rung is recorded in state.db, and the trial stops when at
+        least `reduction` values are recorded at that rung (this one included) and it
+        is worse than the top 1/reduction of them. Nobody waits for a rung to fill:
+        the first trials there go on, later ones are judged against more values."""
+        spec = json.loads(self.state.sweep(a["sweep"])["spec"]).get("scheduler")
+        if not spec:
+            return
+        rungs = SchedulerSpec.model_validate(spec).rungs()
+        for e in evals:
+            if e["step"] not in rungs:
+                continue
+            tid, rung, value = a["trial"], e["step"], float(e["val_loss"])
+            values = self.state.rung_values(a["sweep"], rung)
+            if tid in values:
+                continue   # decided before (a batch delivered twice, a head restart)
+            values[tid] = value
+            cutoff = asha_cutoff(list(values.values()), spec["reduction"])
+            stop = None
+            if (self.state.trial(tid)["state"] not in TERMINAL and len(values) >= spec["reduction"]
+                    and value > cutoff):
+                stop = (f"asha: {spec['metric']} {value:.4g} at rung {rungs.index(rung) + 1} "
+                        f"(step {rung}) below the top 1/{spec['reduction']} of {len(values)} "
+                        f"(cutoff {cutoff:.4g})")
+            if self.state.record_rung(a["sweep"], rung, tid, value, attempt=a["id"], stop=stop) \
+                    and stop:
+                self._cancel_attempts(tid)
+                self._maybe_done(a["sweep"])
+                return
 
     def checkpoint(self, aid: int, step: int, files: dict[str, bytes]) -> None:
         with self.mu:
@@ -569,6 +609,10 @@ class Controller:
                                   step=r.steps or a["step"])
         self.guarded(f"attempt {aid}: sealing its telemetry (kept for resume)", self._seal, aid)
         t = self.state.trial(tid)
+        if t["state"] == TrialState.STOPPED and r.adapter:   # it finished before the stop landed
+            self.guarded(f"attempt {aid}: storing the adapter of a stopped trial",
+                         lambda: self.stores.put_adapter(sid, tid, aid, r.adapter,
+                                                         step=r.steps or None, val_loss=r.val_loss))
         if t["state"] in TERMINAL:
             return self._maybe_done(sid)
         seg, node = a["segment_size"], a["node"]
@@ -682,6 +726,11 @@ def _check_payload(payload: dict) -> None:
             NAME_PATTERN, name):
         raise ValueError(f"sweep name {str(name)[:80]!r} is not a plain name of at most "
                          f"{MAX_SWEEP_NAME_CHARS} characters")
+    try:
+        if (payload.get("spec") or {}).get("scheduler") is not None:
+            SchedulerSpec.model_validate(payload["spec"]["scheduler"])
+    except Exception as e:
+        raise ValueError(f"scheduler: {_one_line(e)}") from None
     for t in payload.get("trials", []):
         try:
             JobSpec.model_validate(t["job"])
@@ -700,6 +749,15 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
         e = e.cause
     text = " ".join(f"{type(e).__name__}: {e}".split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def asha_cutoff(values: list[float], reduction: int) -> float:
+    """The value at the top 1/reduction of `values`, lower being better: their
+    1/reduction quantile, interpolated linearly (numpy's default percentile)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) / reduction
+    lo = int(pos)
+    return xs[lo] if lo + 1 >= len(xs) else xs[lo] + (pos - lo) * (xs[lo + 1] - xs[lo])
 
 
 def _fmt(x) -> str:

@@ -74,7 +74,17 @@ CREATE TABLE tune_classes (
   PRIMARY KEY (tune, node_class));
 """
 
-MIGRATIONS = [V1, V2]   # MIGRATIONS[n] takes a file from version n to n + 1
+# Version 3: the values trials reported at the rungs of an asha sweep, each with the
+# decision taken on it, so that a head that restarts decides on from the same record.
+V3 = """
+CREATE TABLE rungs (
+  sweep TEXT NOT NULL REFERENCES sweeps(id), rung INTEGER NOT NULL,   -- rung: its step
+  trial TEXT NOT NULL REFERENCES trials(id), value REAL NOT NULL, time REAL NOT NULL,
+  attempt INTEGER, stopped INTEGER NOT NULL DEFAULT 0, reason TEXT NOT NULL DEFAULT '',
+  PRIMARY KEY (sweep, rung, trial));
+"""
+
+MIGRATIONS = [V1, V2, V3]   # MIGRATIONS[n] takes a file from version n to n + 1
 LATEST = len(MIGRATIONS)
 
 # The columns each reader gets, by name: no caller depends on the tables' order.
@@ -303,17 +313,21 @@ class State:
     def move(self, tid: str, to: TrialState, reason: str, *, attempt: int | None = None,
              **fields: Any) -> None:
         """Change a trial's state (checked against the state machine) and record why."""
-        now = self.clock()
         with self.tx() as con:
-            row = con.execute("SELECT sweep, state FROM trials WHERE id = ?", (tid,)).fetchone()
-            frm = TrialState(row["state"])
-            if to not in MOVES.get(frm, set()):
-                raise TransitionError(f"trial {tid}: {frm.value} -> {to.value} is not a legal move")
-            fields = dict(fields, state=to.value, updated=now)
-            if to == TrialState.PENDING:
-                fields["runnable_since"] = now
-            _update(con, "trials", "id", tid, fields)
-            _event(con, now, row["sweep"], tid, attempt, frm, to, reason)
+            self._move(con, tid, to, reason, attempt, fields)
+
+    def _move(self, con: sqlite3.Connection, tid: str, to: TrialState, reason: str,
+              attempt: int | None, fields: dict) -> None:
+        now = self.clock()
+        row = con.execute("SELECT sweep, state FROM trials WHERE id = ?", (tid,)).fetchone()
+        frm = TrialState(row["state"])
+        if to not in MOVES.get(frm, set()):
+            raise TransitionError(f"trial {tid}: {frm.value} -> {to.value} is not a legal move")
+        fields = dict(fields, state=to.value, updated=now)
+        if to == TrialState.PENDING:
+            fields["runnable_since"] = now
+        _update(con, "trials", "id", tid, fields)
+        _event(con, now, row["sweep"], tid, attempt, frm, to, reason)
 
     def trial(self, tid: str) -> Optional[sqlite3.Row]:
         return self.one(f"SELECT {TRIAL} FROM trials WHERE id = ?", (tid,))
@@ -399,6 +413,34 @@ class State:
         interrupted one was the head's doing, not the trial's)."""
         return self.one("SELECT COUNT(*) AS n FROM attempts WHERE trial = ? AND outcome IS NOT NULL"
                         " AND outcome != ?", (tid, Outcome.INTERRUPTED.value))["n"]
+
+    # -------------------------------------------------------------- rungs (asha)
+    def rung_values(self, sid: str, rung: int) -> dict[str, float]:
+        """trial -> the value it reported at rung `rung` of sweep `sid`."""
+        return {r["trial"]: r["value"] for r in self.q(
+            "SELECT trial, value FROM rungs WHERE sweep = ? AND rung = ?", (sid, rung))}
+
+    def rungs(self, sid: str) -> list[dict]:
+        """Every value recorded at a rung of sweep `sid`, in the order they came."""
+        return [dict(r) for r in self.q(
+            "SELECT sweep, rung, trial, value, time, attempt, stopped, reason FROM rungs"
+            " WHERE sweep = ? ORDER BY time, rowid", (sid,))]
+
+    def record_rung(self, sid: str, rung: int, tid: str, value: float, *,
+                    attempt: int | None, stop: str | None) -> bool:
+        """Record trial `tid`'s value at a rung and, when `stop` (the reason) is given,
+        move it to STOPPED in the same transaction. Returns False, changing nothing,
+        when the trial has a value at that rung already (a decision is taken once)."""
+        with self.tx() as con:
+            cur = con.execute(
+                "INSERT OR IGNORE INTO rungs (sweep, rung, trial, value, time, attempt, stopped,"
+                " reason) VALUES (?,?,?,?,?,?,?,?)",
+                (sid, rung, tid, value, self.clock(), attempt, int(stop is not None), stop or ""))
+            if cur.rowcount != 1:
+                return False
+            if stop is not None:
+                self._move(con, tid, TrialState.STOPPED, stop, attempt, {"message": stop})
+            return True
 
     # -------------------------------------------------------------- events, status
     def events(self, after: int = 0, *, sweep: str | None = None,

@@ -17,7 +17,8 @@ SHORT = {Outcome.SUCCEEDED: "ok", Outcome.NODE_LOST: "lost", Outcome.INTERRUPTED
          Outcome.CANCELLED: "cancel"}
 STATE_STYLE = {TrialState.SUCCEEDED: "green", TrialState.FAILED: "red", TrialState.CANCELLED: "dim",
                TrialState.RUNNING: "cyan", TrialState.PLACED: "cyan", TrialState.OOM: "yellow",
-               TrialState.NODE_LOST: "yellow", TrialState.PENDING: ""}
+               TrialState.NODE_LOST: "yellow", TrialState.PENDING: "",
+               TrialState.STOPPED: "magenta"}
 
 
 def console() -> Console:

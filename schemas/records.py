@@ -8,6 +8,7 @@ The state machine (docs/design.md):
                              |-> NODE_LOST  -> PENDING (resume from checkpoint)
                              |-> FAILED     (bad data, bad model, retries spent)
     any non-terminal -> CANCELLED
+    any non-terminal -> STOPPED  (the sweep's asha scheduler: worse than the top at a rung)
 
 An attempt is PLACED -> RUNNING -> ENDED (or PLACED -> ENDED when it never
 started), and ends with an Outcome; OUTCOME_MOVES says which state its trial
@@ -37,18 +38,23 @@ class TrialState(str, Enum):
     NODE_LOST = "NODE_LOST"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    STOPPED = "STOPPED"    # early-stopped by the sweep's scheduler (asha), with its reason
 
 
-TERMINAL = {TrialState.SUCCEEDED, TrialState.FAILED, TrialState.CANCELLED}
+TERMINAL = {TrialState.SUCCEEDED, TrialState.FAILED, TrialState.CANCELLED, TrialState.STOPPED}
 # Legal moves; anything else is a bug in the controller and raises.
 MOVES = {
-    TrialState.PENDING: {TrialState.PLACED, TrialState.FAILED, TrialState.CANCELLED},
+    TrialState.PENDING: {TrialState.PLACED, TrialState.FAILED, TrialState.CANCELLED,
+                         TrialState.STOPPED},
     TrialState.PLACED: {TrialState.RUNNING, TrialState.NODE_LOST, TrialState.OOM,
-                        TrialState.FAILED, TrialState.SUCCEEDED, TrialState.CANCELLED},
+                        TrialState.FAILED, TrialState.SUCCEEDED, TrialState.CANCELLED,
+                        TrialState.STOPPED},
     TrialState.RUNNING: {TrialState.SUCCEEDED, TrialState.OOM, TrialState.NODE_LOST,
-                         TrialState.FAILED, TrialState.CANCELLED},
-    TrialState.OOM: {TrialState.PENDING, TrialState.FAILED, TrialState.CANCELLED},
-    TrialState.NODE_LOST: {TrialState.PENDING, TrialState.FAILED, TrialState.CANCELLED},
+                         TrialState.FAILED, TrialState.CANCELLED, TrialState.STOPPED},
+    TrialState.OOM: {TrialState.PENDING, TrialState.FAILED, TrialState.CANCELLED,
+                     TrialState.STOPPED},
+    TrialState.NODE_LOST: {TrialState.PENDING, TrialState.FAILED, TrialState.CANCELLED,
+                           TrialState.STOPPED},
 }
 
 

@@ -16,14 +16,14 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, Optional
+from typing import Annotated, Any, Literal, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import SpecError
 from .job import JobSpec, PathStr, Strict
-from .limits import (MAX_PRIORITY, MAX_RETRIES, MAX_SWEEP_NAME_CHARS, MAX_TRIALS, NAME_PATTERN,
-                     one_line, path_problem)
+from .limits import (MAX_PRIORITY, MAX_RETRIES, MAX_STEPS, MAX_SWEEP_NAME_CHARS, MAX_TRIALS,
+                     NAME_PATTERN, one_line, path_problem)
 from .yamlspec import did_you_mean, line_of, load_yaml, node_at, not_a_mapping, problem
 
 DISTRIBUTIONS = ("log_uniform", "uniform", "choice")
@@ -78,6 +78,37 @@ class RandomSpec(Strict):
     params: dict[str, Distribution] = Field(min_length=1, description="dotted job key -> distribution")
 
 
+class SchedulerSpec(Strict):
+    """Asynchronous successive halving (ASHA): each trial reports its eval at the rungs
+    grace_steps * reduction^k below max_steps; one worse than the top 1/reduction of
+    the values recorded at that rung so far is stopped (docs/design.md, "Trial states")."""
+    type: Literal["asha"] = Field(description="the only scheduler: asha")
+    metric: Literal["val_loss"] = Field("val_loss", description="lower is better")
+    grace_steps: int = Field(ge=1, le=MAX_STEPS,
+                             description="the first rung: steps every trial runs")
+    reduction: int = Field(3, ge=2, le=MAX_STEPS,
+                           description="rungs are reduction times apart; the top 1/reduction "
+                                       "at a rung goes on")
+    max_steps: int = Field(ge=1, le=MAX_STEPS,
+                           description="the steps a trial that is never stopped runs: "
+                                       "train.iters of every trial")
+
+    @model_validator(mode="after")
+    def _above_grace(self):
+        if self.max_steps <= self.grace_steps:
+            raise ValueError(f"max_steps ({self.max_steps}) must be more than grace_steps "
+                             f"({self.grace_steps})")
+        return self
+
+    def rungs(self) -> list[int]:
+        """The steps a decision is taken at: grace_steps * reduction^k below max_steps."""
+        out, step = [], self.grace_steps
+        while step < self.max_steps:
+            out.append(step)
+            step *= self.reduction
+        return out
+
+
 class SweepSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
@@ -95,6 +126,8 @@ class SweepSpec(BaseModel):
     placement: dict[str, str] = Field({}, description="node labels a trial needs (all must match)")
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                           description="higher is scheduled first (across sweeps)")
+    scheduler: Optional[SchedulerSpec] = Field(
+        None, description="early stopping across trials (asha); null = every trial runs to the end")
 
 
 class TrialSpec(BaseModel):
@@ -200,6 +233,9 @@ def _validate(path: Path, data, root) -> Sweep:
         if trial is not None:
             trials.append(trial)
     _report_cross(cross, len(points) * len(draws), base, problems)
+    if spec.scheduler is not None:
+        for trial in trials:
+            _check_scheduler(spec.scheduler, trial, path, root, problems)
     if problems.lines:
         raise SpecError(problems.in_order(path, base.path))
     return Sweep(spec=spec, path=str(path.resolve()), trials=trials)
@@ -410,6 +446,25 @@ def _report_varied(o: Origin, msg: str, value, trial: str, problems: _Problems) 
                      dedupe=(o, msg))
     else:
         problems.add(f"{o.path}:{o.line}: {o.key}: {msg}")
+
+
+def _check_scheduler(sch: SchedulerSpec, trial: TrialSpec, path: Path, root,
+                     problems: _Problems) -> None:
+    """Every trial must run max_steps and evaluate at every rung: the head decides on
+    the evals it receives, so a trial without one at a rung would never be judged."""
+    train = trial.job.train
+    where = lambda key: f"{path}:{line_of(root, ['scheduler', key])}: scheduler.{key}"
+    if trial.job.data.valid is None:
+        problems.add(f"{where('metric')}: asha needs data.valid (it compares val_loss)")
+    if not train.eval_every or sch.grace_steps % train.eval_every:
+        problems.add(f"{where('grace_steps')}: asha needs train.eval_every to divide grace_steps "
+                     f"({sch.grace_steps}) so every trial evaluates at every rung; "
+                     f"train.eval_every is {train.eval_every}",
+                     dedupe=("eval_every", train.eval_every))
+    if train.iters != sch.max_steps:
+        have = "epochs" if train.iters is None else f"train.iters {train.iters}"
+        problems.add(f"{where('max_steps')}: must equal train.iters of every trial; trial "
+                     f"{trial.name} has {have}", dedupe=("max_steps",))
 
 
 def _get_dotted(d: dict, key: str):
