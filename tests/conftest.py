@@ -24,7 +24,8 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 # test_train_cli's bad inputs), the stores (test_stores), the head's decisions
 # (test_head_isolation, test_controller), a CLI run whose adapter mlx-lm loads
 # (test_qlora, test_stores). `make test` runs everything.
-FLEET_MODULES = {"test_fleet.py", "test_fleet_e2e.py", "test_tune_fleet.py", "test_embedded.py"}
+FLEET_MODULES = {"test_fleet.py", "test_fleet_e2e.py", "test_tune_fleet.py", "test_embedded.py",
+                 "test_asha_fleet.py"}
 SLOW_MODULES = {"test_families.py"}
 SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle cores
     "test_long.py::test_mlp_chunks_bound_the_layer_and_offload_the_boundaries",   # 13 s
