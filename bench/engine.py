@@ -127,6 +127,7 @@ def run(args) -> dict:
     prompt_len = args.seq // 2
     opt = make_optimizer(1e-5)
     phases: list[tuple[str, float]] = []
+    clock: list[float] = []  # each phase's end, seconds into the step (the last step's)
 
     p, r = args.seq // 2, args.seq - args.seq // 2
     pair = PreferenceExample(ids[:p], ids[p:], mx.random.randint(0, args.vocab, (r,)).tolist())
@@ -147,12 +148,14 @@ def run(args) -> dict:
         state = [model.state, opt.state]
 
         def do_step():
-            on_phase = (lambda label: phases.append((label, mx.get_peak_memory() / 1e9))) \
-                if args.phases else None
+            def on_phase(label):
+                phases.append((label, mx.get_peak_memory() / 1e9))
+                clock.append(time.perf_counter())
             loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=args.head_chunk,
                                          attn_block=args.attn_block,
                                          grad_checkpoint=args.mode == "checkpoint",
-                                         parts=parts, on_phase=on_phase, **orpo, **extra)
+                                         parts=parts, on_phase=on_phase if args.phases else None,
+                                         **orpo, **extra)
             apply_grads(model, opt, grads, 1.0)
             mx.eval(state, loss)
             return loss
@@ -160,11 +163,13 @@ def run(args) -> dict:
     times, peaks, losses = [], [], []
     for _ in range(args.steps):
         phases.clear()
+        clock.clear()
         mx.clear_cache()
         mx.reset_peak_memory()
         tic = time.perf_counter()
         loss = do_step()
         times.append(time.perf_counter() - tic)
+        starts = tic
         peaks.append(mx.get_peak_memory() / 1e9)
         losses.append(loss.item())
     row = {
@@ -195,6 +200,14 @@ def run(args) -> dict:
     }
     if args.phases:
         row["phases"] = [[label, round(p, 4)] for label, p in phases]
+        # where the last step's time went: forward, head, backward, the rest (update)
+        labels = [label for label, _ in phases]
+        if clock and "head" in labels:
+            h = labels.index("head")
+            row["phase_s"] = {"fwd": round(clock[h - 1] - starts, 3),
+                              "head": round(clock[h] - clock[h - 1], 3),
+                              "bwd": round(clock[-1] - clock[h], 3),
+                              "update": round(starts + times[-1] - clock[-1], 3)}
     return row
 
 

@@ -12,9 +12,9 @@ boundary the backward is working on takes memory.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -44,7 +44,16 @@ def check_folder(folder: str | os.PathLike) -> str | None:
 
 
 class Boundaries:
-    """A stack of evaluated [1, L, D] arrays: in memory (folder=None) or on disk."""
+    """A stack of evaluated [1, L, D] arrays: in memory (folder=None) or on disk.
+
+    On disk the file's reads and writes run on one thread of their own, beside the
+    compute: an appended boundary is written while the next segment's forward runs,
+    and when one is popped the one below it is read ahead while the backward works
+    on this one. So at most one boundary is in flight each way (a write holds its
+    array until done; a read ahead holds one boundary's bytes in host memory), and
+    the step waits for the disk only where it is slower than a segment's compute.
+    A failed write (a full disk) is raised by the next call that waits for it:
+    append, pop, flush or read."""
 
     def __init__(self, folder: str | os.PathLike | None = None):
         self.folder = None if folder is None else os.fspath(folder)
@@ -54,6 +63,9 @@ class Boundaries:
         self._file = None
         self._path = None  # only set where the file could not be unlinked while open
         self._closed = False
+        self._io = None  # the one thread every file operation runs on, in order
+        self._writing: Future | None = None  # the last append's write
+        self._ahead: tuple[int, Future] | None = None  # (entry index, its read) read ahead
         if self.folder is None:
             return
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
@@ -67,27 +79,57 @@ class Boundaries:
             os.unlink(path)
         except OSError:
             self._path = path
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="boundaries-io")
 
     @property
     def bytes_on_disk(self) -> int:
+        """Bytes the file holds once the writes in flight are done."""
         return self._end if self._file is not None else 0
 
     def __len__(self) -> int:
         return len(self._arrays) if self.folder is None else len(self._entries)
 
     def append(self, h: mx.array) -> None:
-        """Keep `h` (already evaluated). In disk mode its bytes go to the file and
-        this object holds no reference to it; the caller should drop its own."""
+        """Keep `h` (already evaluated). In disk mode its bytes go to the file, and
+        this object holds it only until they are written; the caller should drop
+        its own reference."""
         self._check_open()
         if self.folder is None:
             self._arrays.append(h)
             return
+        self.flush()  # the previous write: one boundary in flight at most
         mx_u, _ = _UNSIGNED[h.dtype.size]
-        # A numpy view of MLX's buffer (a copy only if h is not row-contiguous):
-        # the bytes go to the file in one write call per chunk the OS accepts.
+        # A numpy view of MLX's buffer (a copy only if h is not row-contiguous), made
+        # here: the I/O thread touches only numpy memory and the file, never MLX.
         data = np.ascontiguousarray(np.array(h.view(mx_u), copy=False))
+        offset = self._end
+        self._end = offset + data.nbytes
+        self._entries.append((offset, tuple(h.shape), h.dtype))
+        self._writing = self._io.submit(self._write, offset, data, h)
+
+    def flush(self) -> None:
+        """Wait for the write in flight; a failed one is raised here and its entry
+        is gone (the stack stays usable)."""
+        self._check_open()
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            try:
+                writing.result()
+            except OSError:
+                offset = self._entries.pop()[0]
+                self._end = offset
+                raise
+
+    def settle(self) -> None:
+        """Wait for every file operation queued: the file's size is then
+        `bytes_on_disk`."""
+        self.flush()
+        if self._io is not None:
+            self._io.submit(lambda: None).result()
+
+    def _write(self, offset: int, data: np.ndarray, h: mx.array) -> None:
         view = memoryview(data).cast("B")
-        offset, n = self._end, view.nbytes
+        n = view.nbytes
         fd = self._file.fileno()
         try:
             # write() rather than writing into an mmap: a full disk is then an
@@ -109,9 +151,7 @@ class Boundaries:
                 raise err from e
             raise
         finally:
-            del view, data
-        self._end = offset + n
-        self._entries.append((offset, tuple(h.shape), h.dtype))
+            del view, data, h
 
     def pop(self) -> mx.array:
         """The last appended array, evaluated; in disk mode the file shrinks by it."""
@@ -120,51 +160,61 @@ class Boundaries:
             raise IndexError("pop from empty Boundaries")
         if self.folder is None:
             return self._arrays.pop()
-        h = self._read(self._entries[-1])
-        offset = self._entries.pop()[0]
-        # Disk use falls as the backward walks back through the segments.
-        os.ftruncate(self._file.fileno(), offset)
+        self.flush()
+        top = len(self._entries) - 1
+        ahead, self._ahead = self._ahead, None
+        u = (ahead[1] if ahead and ahead[0] == top else self._io.submit(
+            self._load, self._entries[top])).result()
+        offset, shape, dtype = self._entries.pop()
         self._end = offset
-        return h
+        if self._entries:  # the next pop's, read while this one is worked on
+            self._ahead = (top - 1, self._io.submit(self._load, self._entries[top - 1]))
+        # Disk use falls as the backward walks back through the segments. On the I/O
+        # thread too, after the read ahead: cutting a file waits for the kernel to
+        # finish writing back the pages it drops.
+        self._io.submit(os.ftruncate, self._file.fileno(), offset)
+        return _to_mx(u, shape, dtype)
 
     def __getitem__(self, i) -> mx.array:
         """Entry i (negative counts from the top), left in place."""
         self._check_open()
         if self.folder is None:
             return self._arrays[i]
-        return self._read(self._entries[i])
+        self.flush()
+        _, shape, dtype = entry = self._entries[i]
+        return _to_mx(self._io.submit(self._load, entry).result(), shape, dtype)
 
-    def _read(self, entry) -> mx.array:
+    def _load(self, entry) -> np.ndarray:
+        """An entry's bytes, read into host memory (on the I/O thread)."""
         offset, shape, dtype = entry
-        mx_u, np_u = _UNSIGNED[dtype.size]
-        count = int(np.prod(shape))
-        n = count * dtype.size
-        if n == 0:
-            return mx.zeros(shape, dtype)
-        # mmap offsets must be page-aligned: map from the page holding the entry.
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        m = mmap.mmap(self._file.fileno(), offset + n - start, access=mmap.ACCESS_READ, offset=start)
-        u = None
-        try:
-            u = np.frombuffer(m, dtype=np_u, count=count, offset=offset - start)
-            h = mx.array(u)  # a copy into MLX memory
-            mx.eval(h)
-        finally:
-            u = None  # the map cannot close while numpy still points into it
-            m.close()
-        h = h.view(dtype).reshape(shape)
-        mx.eval(h)
-        return h
+        _, np_u = _UNSIGNED[dtype.size]
+        u = np.empty(int(np.prod(shape)), dtype=np_u)
+        view = memoryview(u).cast("B")
+        fd = self._file.fileno()
+        os.lseek(fd, offset, os.SEEK_SET)
+        done = 0
+        while done < view.nbytes:
+            got = os.readv(fd, [view[done:]])
+            if got == 0:
+                raise OSError(errno.EIO, f"{self.folder}: boundary file ended early")
+            done += got
+        del view
+        return u
 
     def _check_open(self):
         if self._closed:
             raise ValueError("Boundaries is closed")
 
     def close(self) -> None:
-        """Drop every entry and the scratch file. Safe to call more than once."""
+        """Drop every entry and the scratch file. Safe to call more than once;
+        waits for the I/O in flight (its errors no longer matter)."""
         if self._closed:
             return
         self._closed = True
+        if self._io is not None:
+            self._io.shutdown(wait=True, cancel_futures=True)
+            self._io = None
+        self._writing = self._ahead = None
         self._arrays.clear()
         self._entries.clear()
         self._end = 0
@@ -183,3 +233,12 @@ class Boundaries:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _to_mx(u: np.ndarray, shape, dtype) -> mx.array:
+    """Bytes read from the file as the MLX array they were (a copy into MLX memory)."""
+    if u.size == 0:
+        return mx.zeros(shape, dtype)
+    h = mx.array(u).view(dtype).reshape(shape)
+    mx.eval(h)
+    return h

@@ -563,12 +563,16 @@ def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forwa
     masks, extras = fwd.masks, fwd.extras
     mx.eval(h, extras)
     for k, (lo, hi) in enumerate(segments):
-        fwd.boundaries.append(h)
+        h_in = h
         with eager(parts.layers, parts.tokenwise or [], chunk):
-            h, produced = _run(parts, lo, hi, h, masks, extras, fwd.kv, seed)
+            h, produced = _run(parts, lo, hi, h_in, masks, extras, fwd.kv, seed)
         for d in _exports(parts, lo, hi):
             fwd.kv[d] = produced[d]
         mx.eval(h, fwd.kv)
+        # Kept once the segment is done with it: on disk it is written while the
+        # next segment computes, so the disk never reads what the device is reading.
+        fwd.boundaries.append(h_in)
+        del h_in
         phase(f"{tag}fwd{k}")
     return h
 

@@ -227,8 +227,10 @@ def predict_gb(info: ModelInfo, *, seq_len: int, segment_size: int, lora_rank: i
 
 def offload_seconds(info: ModelInfo, *, seq_len: int, segment_size: int,
                     method: str = "sft") -> float:
-    """What memory.offload disk adds to a step: every boundary written once and read
-    back once, at DISK_GBPS."""
+    """What memory.offload disk adds to a step, at most: every boundary written once
+    and read back once, at DISK_GBPS. The engine overlaps that traffic with the
+    compute, so the cost measured is lower (+25% of a step where this says +50%
+    on the H200 host, bench/README.md)."""
     streams = 2 if method in ("orpo", "dpo") else 1
     boundaries = streams * math.ceil(info.n_layers / max(segment_size, 1))
     return 2 * boundaries * seq_len * info.hidden * info.act_bytes / (DISK_GBPS * GB)
@@ -330,9 +332,10 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
 
     # Segmented: the n/s + 1 boundaries, dh and the head's pieces of it live
     # through the step; on top of them the largest of one layer's forward, one
-    # head chunk, and one segment's backward. With the boundaries on disk, only
-    # the one a segment works on is in memory.
-    boundaries = streams * ((1 if offload else math.ceil(n / s)) + 3) * hidden_state
+    # head chunk, and one segment's backward. With the boundaries on disk, the one
+    # a segment works on is in memory, and one more in flight (being written in
+    # the forward, read ahead in the backward: engine/offload.py).
+    boundaries = streams * ((2 if offload else math.ceil(n / s)) + 3) * hidden_state
     head = min(head_chunk, L) * info.vocab * head_entry
     pieces = 0 < attn_block < L - 1 or 0 < mlp_chunk < L
     if 0 < mlp_chunk < L:

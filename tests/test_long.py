@@ -93,9 +93,10 @@ def test_mlp_chunks_bound_the_layer_and_offload_the_boundaries(tmp_path):
     assert fwd(cut) < 0.8 * fwd(whole), (fwd(cut), fwd(whole))
     assert bwd(cut) < 0.8 * bwd(whole), (bwd(cut), bwd(whole))
     # boundaries of 2048 x 128 fp32 (1 MB each): in memory each forward phase
-    # holds one more; on disk the tenth holds what the second did
+    # holds one more; on disk the tenth holds what the second did (and at most
+    # the one still being written)
     growth = lambda p: p["fwd11"] - p["fwd1"]
-    assert growth(cut) > 8 and growth(disk) < 1, (cut, disk)
+    assert growth(cut) > 8 and growth(disk) < 2, (cut, disk)   # < 2: the one being written
 
 
 class _Mixer(nn.Module):
