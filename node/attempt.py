@@ -16,8 +16,10 @@ that died left behind count as failed ("abandoned") when the next agent starts.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -214,20 +216,99 @@ def _mark(folder: Path, outcome: dict) -> None:
 def start_worker(args: list[str], cwd: Path, running: Running, python: str):
     """`python -m segctl.node.worker ARGS` in `cwd`, registered with `running` so a cancel
     reaches it: (process, its last stderr lines as they are read, the thread reading
-    them); None when `running` was cancelled before it started."""
+    them); None when `running` was cancelled before it started.
+
+    The process is a spare when one is ready (see `spares`): a fresh process all the
+    same, only started before it was needed."""
     with running.lock:
         if running.cancelled:
             return None
-        # umask 077: what the engine writes (checkpoints, the adapter) is the user's alone
-        proc = subprocess.Popen([python, "-m", "segctl.node.worker", *args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                umask=0o077)
+        proc = spares.take(python, args, cwd) or _popen(python, args, cwd)
         running.proc = proc
+    spares.refill(python)
     stderr: list[str] = []
     drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
         "utf-8", "replace").splitlines()[-20:]), daemon=True)
     drain.start()
     return proc, stderr, drain
+
+
+def _popen(python: str, args: list[str], cwd: Path | None) -> subprocess.Popen:
+    # umask 077: what the engine writes (checkpoints, the adapter) is the user's alone
+    return subprocess.Popen([python, "-m", "segctl.node.worker", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, umask=0o077)
+
+
+class Spares:
+    """Engine processes started ahead of their attempt. Importing MLX, mlx-lm and
+    transformers takes seconds, paid before every attempt's first step; a spare
+    (`worker --spare`) has done it while the node was busy and waits on stdin for
+    its arguments. Each attempt still gets a process of its own, used once.
+
+    SEGCTL_SPARE_WORKERS sets how many wait (default 1; 0: none). A spare that the
+    agent leaves behind reads end-of-file on stdin and exits."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.waiting: list[tuple[tuple, subprocess.Popen]] = []
+
+    def size(self) -> int:
+        try:
+            return max(0, int(os.environ.get("SEGCTL_SPARE_WORKERS", "1")))
+        except ValueError:
+            return 1
+
+    def take(self, python: str, args: list[str], cwd: Path) -> subprocess.Popen | None:
+        while True:
+            with self.lock:
+                found = next((i for i, (key, _) in enumerate(self.waiting)
+                              if key == _key(python)), None)
+                if found is None:
+                    return None
+                _, proc = self.waiting.pop(found)
+            try:   # a spare that died since (killed, out of memory) is skipped
+                if proc.poll() is None:
+                    proc.stdin.write((json.dumps({"args": args, "cwd": str(cwd)}) + "\n").encode())
+                    proc.stdin.flush()
+                    return proc
+            except OSError:
+                pass
+            _reap(proc)
+
+    def refill(self, python: str) -> None:
+        with self.lock:
+            self.waiting = [(key, p) for key, p in self.waiting if p.poll() is None]
+            missing = self.size() - sum(key == _key(python) for key, _ in self.waiting)
+            for _ in range(max(missing, 0)):
+                self.waiting.append((_key(python), _popen(python, ["--spare"], None)))
+
+    def close(self) -> None:
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        for _, proc in waiting:
+            _reap(proc)
+
+
+def _key(python: str) -> tuple:
+    """A spare serves an attempt of the same interpreter and environment only (the
+    environment is the process's from its start)."""
+    return python, tuple(sorted(os.environ.items()))
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.close()      # end-of-file: a waiting spare exits by itself
+        proc.wait(timeout=5)
+    except Exception:
+        proc.kill()
+        proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe:
+            pipe.close()
+
+
+spares = Spares()
+atexit.register(spares.close)
 
 
 def _checkpoint_files(folder: Path) -> dict[str, bytes] | None:

@@ -1,5 +1,7 @@
 """One attempt of a trial, in a fresh process: `python -m segctl.node.worker JOB.json [--resume]`;
-or the probe points of a tune: `python -m segctl.node.worker --probe SPEC.json`.
+or the probe points of a tune: `python -m segctl.node.worker --probe SPEC.json`;
+or a spare, `python -m segctl.node.worker --spare`, which imports the engine first
+and then reads one line from stdin, {"args": [...], "cwd": DIR}, and runs as above.
 
 The node agent starts one of these per attempt so no MLX state (allocator, compiled
 graphs, peak counters) leaks from one trial into the next. Events go to stdout as
@@ -30,6 +32,10 @@ def _exit_when_parent_goes() -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--spare"]:
+        argv = _wait_as_spare()
+        if argv is None:
+            return 0
     _exit_when_parent_goes()
     from segctl.engine import telemetry
     from segctl.engine.train import run_reported
@@ -46,6 +52,20 @@ def main(argv: list[str]) -> int:
         print(message, file=sys.stderr)
     sys.stdout.flush()
     return code
+
+
+def _wait_as_spare() -> list[str] | None:
+    """Import what every attempt imports, then wait for the arguments; None when
+    the agent goes away first (end-of-file)."""
+    import segctl.engine.probe  # noqa: F401  (mlx, mlx-lm, transformers: the slow part)
+    import segctl.engine.train  # noqa: F401
+    import segctl.schemas.job  # noqa: F401
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return None
+    order = json.loads(line)
+    os.chdir(order["cwd"])
+    return list(order["args"])
 
 
 def _probe(path: str) -> int:

@@ -347,3 +347,38 @@ def test_start_time_on_a_mac_comes_from_ps_lstart():
     assert raynode.start_time(4242, platform="darwin", run=mac_ps) == "Tue Mar 4 09:15:02 2025"
     assert calls == [["ps", "-o", "lstart=", "-p", "4242"]]
     assert raynode.start_time(4243, platform="darwin", run=mac_ps) is None
+
+
+def test_an_attempt_runs_in_a_spare_started_before_it(demo_dir, tmp_path):
+    """A spare engine process imports ahead of its attempt; each attempt still gets a
+    process of its own, used once, and one that died while waiting is passed over."""
+    from segctl.node.attempt import run_attempt, spares
+    from segctl.node.raynode import alive
+    job = demo_job(demo_dir)
+    data = {n: (demo_dir / "data" / n).read_bytes() for n in ("train.jsonl", "valid.jsonl")}
+    spec = lambda i: AttemptSpec(sweep="sw", trial="sw-t000", attempt=i, job=job, data=data)
+
+    def attempt(i):
+        pids = []
+        r = run_attempt(spec(i), tmp_path / "work", send_events=lambda batch: None,
+                        send_checkpoint=lambda step, files: None,
+                        on_started=lambda pid, t: pids.append(pid))
+        assert r.outcome == "succeeded", r
+        return pids[0]
+
+    def waiting():
+        return [p for _, p in spares.waiting]
+
+    spares.close()
+    spares.refill(sys.executable)
+    [first] = waiting()
+    assert attempt(1) == first.pid and first.returncode == 0    # ran there, and ended
+    [second] = waiting()                                        # refilled
+    assert second.pid != first.pid
+    second.kill()
+    second.wait()
+    third = attempt(2)                                          # the dead one is skipped
+    assert third not in (first.pid, second.pid)
+    [spare] = waiting()
+    spares.close()
+    assert not waiting() and spare.returncode == 0 and not alive(spare.pid)

@@ -264,16 +264,20 @@ def _table(root: Path, name: str, sid: str, columns: list[str]) -> dict[str, lis
 
 
 def engines(lab) -> list[tuple[str, int, str]]:
-    """Engine processes (`python -m segctl.node.worker`) running in any host."""
+    """Engine processes (`python -m segctl.node.worker`) running an attempt in any
+    host: (host, pid, its command line and working folder). A spare waiting for its
+    attempt (`worker --spare`, its folder not yet an attempt's) runs nothing."""
     found = []
     for h in lab.hosts:
         for pid in lablib.pids(h):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                cwd = os.readlink(f"/proc/{pid}/cwd")
             except OSError:
                 continue
-            if "node.worker" in cmd:
-                found.append((h.name, pid, cmd[:120]))
+            where = f"{cmd[:120]} in {cwd}"
+            if "node.worker" in cmd and ("--spare" not in cmd or "/attempt-" in cwd):
+                found.append((h.name, pid, where))
     return found
 
 
@@ -302,7 +306,7 @@ class LeftBehind:
     def sample(self) -> None:
         running = {}
         for host, pid, cmd in engines(self.lab):
-            m = re.search(r"/attempt-(\d+)/job\.json", cmd)
+            m = re.search(r"/attempt-(\d+)(/job\.json| in |$)", cmd)
             if m:
                 running[int(m.group(1))] = (host, pid)
         if not running:
