@@ -26,6 +26,7 @@ Nothing here knows about Ray or the trial state machine (state.db is the head's)
 
 from __future__ import annotations
 
+import asyncio
 import filecmp
 import itertools
 import json
@@ -34,6 +35,7 @@ import os
 import shutil
 import sqlite3
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,6 +43,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
+import zarr.api.asynchronous
+from zarr.core.sync import sync as zarr_sync
 from zarr.storage import LocalStore
 
 # private_dir / private_file: also what the head uses for inputs/ and state.db
@@ -61,6 +65,7 @@ CREATE TABLE IF NOT EXISTS attempts (
 """
 
 CHUNK_BYTES = 16 << 20            # a checkpoint file is stored in chunks of this size
+SYNC_THREADS = 8                  # files of one zarr node fsynced at once
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _counter = itertools.count()
 
@@ -127,16 +132,19 @@ class Stores:
                 return
             bodies = [b for (b,) in con.execute(
                 "SELECT body FROM events WHERE attempt = ? ORDER BY seq", (attempt,))]
-            events = [json.loads(b) for b in bodies]
-            tables = attempt_tables(trial, attempt, events)
-            tables["attempts"] = pa.Table.from_pylist(
-                [{**row, "trial": trial, "attempt": attempt}], schema=sr.ATTEMPTS)
-            tables[EVENTS] = events_table(trial, attempt, events, bodies)
-            for name in ("steps", "evals", "attempts", EVENTS):
-                self._put_parquet(tables[name], self.root / sr.telemetry_file(name, sweep, attempt))
-            peaks, labels, steps = phase_peaks(events)
-            self._put_memory(sweep, trial, attempt, peaks, labels, steps,
-                             node=row.get("node"), segment_size=row.get("segment_size"))
+        # the files are built without the lock (batches of running attempts go on
+        # meanwhile); one sealer per attempt: the head's controller
+        events = [json.loads(b) for b in bodies]
+        tables = attempt_tables(trial, attempt, events)
+        tables["attempts"] = pa.Table.from_pylist(
+            [{**row, "trial": trial, "attempt": attempt}], schema=sr.ATTEMPTS)
+        tables[EVENTS] = events_table(trial, attempt, events, bodies)
+        for name in ("steps", "evals", "attempts", EVENTS):
+            self._put_parquet(tables[name], self.root / sr.telemetry_file(name, sweep, attempt))
+        peaks, labels, steps = phase_peaks(events)
+        self._put_memory(sweep, trial, attempt, peaks, labels, steps,
+                         node=row.get("node"), segment_size=row.get("segment_size"))
+        with self._lock:
             with _transaction(con):   # sealed and pruned together, or neither
                 con.execute("UPDATE attempts SET sealed = CAST(strftime('%s', 'now') AS REAL) "
                             "WHERE attempt = ?", (attempt,))
@@ -163,10 +171,12 @@ class Stores:
                      files=sorted(files))
         with self._lock:
             self._db(write=True)
-            ckpts = self.root / sr.ADAPTERS_ZARR / trial / "checkpoints"
-            self._ensure_group(ckpts)
-            self._put_dir(self.root / sr.checkpoint_group(trial, step),
-                          lambda folder: write_files_group(folder, files, attrs))
+        # built aside and renamed in without the lock (see seal_attempt); pruned under it
+        ckpts = self.root / sr.ADAPTERS_ZARR / trial / "checkpoints"
+        self._ensure_group(ckpts)
+        self._put_dir(self.root / sr.checkpoint_group(trial, step),
+                      lambda folder: write_files_group(folder, files, attrs))
+        with self._lock:
             for old in _checkpoint_dirs(ckpts)[:-sr.KEEP_CHECKPOINTS]:
                 self._remove(old)
 
@@ -195,9 +205,8 @@ class Stores:
                      val_loss=None if val_loss is None else float(val_loss))
         with self._lock:
             self._db(write=True)
-            self._ensure_group(self.root / sr.ADAPTERS_ZARR / trial)
-            self._put_dir(self.root / path,
-                          lambda folder: write_tensors_group(folder, tensors, attrs))
+        self._ensure_group(self.root / sr.ADAPTERS_ZARR / trial)
+        self._put_dir(self.root / path, lambda folder: write_tensors_group(folder, tensors, attrs))
 
     # ================================================================ read side
 
@@ -496,21 +505,31 @@ def phase_peaks(events: list[dict]) -> tuple[np.ndarray, list[str], list[int]]:
 
 def write_files_group(folder: Path, files: dict[str, bytes], attrs: dict) -> None:
     """A group holding each file's bytes as a uint8 array (a checkpoint folder)."""
-    g = zarr.open_group(store=LocalStore(folder), mode="w", attributes=attrs)
+    arrays = []
     for name in sorted(files):
         blob = np.frombuffer(bytes(files[name]), dtype=np.uint8)
-        a = g.create_array(name, shape=blob.shape, dtype="u1",
-                           chunks=(max(1, min(len(blob), CHUNK_BYTES)),), config=_EVERY_CHUNK)
-        a[:] = blob
+        arrays.append((name, blob, (max(1, min(len(blob), CHUNK_BYTES)),)))
+    _write_group(folder, attrs, arrays)
 
 
 def write_tensors_group(folder: Path, tensors: dict, attrs: dict) -> None:
     """A group holding one array per tensor (an adapter)."""
-    g = zarr.open_group(store=LocalStore(folder), mode="w", attributes=attrs)
-    for name, (code, shape, values) in tensors.items():
-        a = g.create_array(name, shape=shape, dtype=values.dtype,
-                           chunks=tuple(max(1, d) for d in shape), config=_EVERY_CHUNK)
-        a[...] = values
+    _write_group(folder, attrs, [(name, values, tuple(max(1, d) for d in shape))
+                                 for name, (code, shape, values) in tensors.items()])
+
+
+def _write_group(folder: Path, attrs: dict, arrays: list[tuple[str, np.ndarray, tuple]]) -> None:
+    """A group of (name, values, chunks) arrays, made together. zarr's synchronous calls
+    are each a round trip to its I/O loop (milliseconds apiece, and an adapter has
+    dozens of tensors, each created and then written); here every array is created
+    with its data in one batch on that loop."""
+    async def build():
+        g = await zarr.api.asynchronous.open_group(store=LocalStore(folder), mode="w",
+                                                   attributes=attrs)
+        await asyncio.gather(*(g.create_array(name, data=values, chunks=chunks,
+                                              config=_EVERY_CHUNK)
+                               for name, values, chunks in arrays))
+    zarr_sync(build())
 
 
 def write_peaks_array(folder: Path, peaks: np.ndarray, attrs: dict) -> None:
@@ -607,14 +626,26 @@ def _same_tree(a: Path, b: Path) -> bool:
 
 def _settle_tree(root: Path) -> None:
     """A node built in temp, before it is renamed into place: owner-only modes
-    (zarr creates with the umask's), every file on disk."""
+    (zarr creates with the umask's), every file on disk (fsynced side by side: an
+    adapter is a hundred small files, and the disk commits concurrent syncs together)."""
+    files = []
     for dirpath, _, names in os.walk(root):
         os.chmod(dirpath, 0o700)
         for n in names:
             path = os.path.join(dirpath, n)
             os.chmod(path, 0o600)
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            files.append(path)
+    if len(files) < 4:
+        for path in files:
+            _fsync(path)
+        return
+    with ThreadPoolExecutor(max_workers=SYNC_THREADS) as pool:
+        list(pool.map(_fsync, files))
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _rmtree(path: Path) -> None:
