@@ -10,6 +10,7 @@ in the base job (the base file, or the sweep file's `job:` mapping).
 from __future__ import annotations
 
 import copy
+import getpass
 import itertools
 import math
 import os
@@ -18,20 +19,35 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from .errors import SpecError
-from .job import JobSpec, PathStr, Strict
-from .limits import (MAX_PRIORITY, MAX_RETRIES, MAX_STEPS, MAX_SWEEP_NAME_CHARS, MAX_TRIALS,
-                     NAME_PATTERN, one_line, path_problem)
+from .job import JobSpec, PathStr, ReportTo, Strict, resolve_trackers
+from .limits import (MAX_NAME_CHARS, MAX_PRIORITY, MAX_RETRIES, MAX_STEPS, MAX_SWEEP_NAME_CHARS,
+                     MAX_TRIALS, NAME_PATTERN, one_line, path_problem)
 from .yamlspec import did_you_mean, line_of, load_yaml, node_at, not_a_mapping, problem
 
 DISTRIBUTIONS = ("log_uniform", "uniform", "choice")
 # Job keys holding paths: resolved against the folder of the file that wrote them.
 PATH_KEYS = ("model", "data.train", "data.valid")
+MAX_SHARE = 1_000_000.0   # a sweep's share: a weight, only its ratio to the others' counts
+OWNER_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.@-]*$"   # OS user names, also user@domain ones
 # Job keys a sweep decides itself, so they cannot be varied.
 SET_BY_FLEET = {"name": "set by the sweep (sweep name + trial name)",
-                "output": "set by the fleet (trial adapters land in the stores)"}
+                "output": "set by the fleet (trial adapters land in the stores)",
+                "report_to": "set for the whole sweep (report_to at the sweep's top level or in "
+                             "its base job)"}
+
+
+def submitter() -> str:
+    """The submitting OS user's name, as an `owner` (characters it cannot hold as '-')."""
+    try:
+        name = getpass.getuser()
+    except Exception:   # no login name in the environment nor in the password database
+        name = ""
+    name = re.sub(r"[^A-Za-z0-9_.@-]", "-", name).lstrip(".@-")[:MAX_NAME_CHARS]
+    return name or "unknown"
 
 
 class Distribution(Strict):
@@ -126,8 +142,26 @@ class SweepSpec(BaseModel):
     placement: dict[str, str] = Field({}, description="node labels a trial needs (all must match)")
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                           description="higher is scheduled first (across sweeps)")
+    share: float = Field(1.0, gt=0, le=MAX_SHARE,
+                         description="its weight among running sweeps of equal priority: a free "
+                                     "node goes to the one with the fewest running attempts per "
+                                     "share")
+    owner: str = Field(default_factory=submitter, pattern=OWNER_PATTERN,
+                       max_length=MAX_NAME_CHARS,
+                       description="who submitted it (shown by status); default: the submitting "
+                                   "OS user's name")
     scheduler: Optional[SchedulerSpec] = Field(
         None, description="early stopping across trials (asha); null = every trial runs to the end")
+    report_to: Optional[ReportTo] = Field(
+        None, description="trackers every trial streams to (a run per trial, grouped per sweep); "
+                          "or report_to in the base job")
+
+    @field_validator("share", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v):
+        if isinstance(v, bool):   # YAML's yes/no: a number that was meant to be written
+            raise ValueError("expected a number > 0, not a boolean")
+        return v
 
 
 class TrialSpec(BaseModel):
@@ -214,6 +248,9 @@ def _validate(path: Path, data, root) -> Sweep:
     base = _base_job(spec, path, root, problems, given) if spec else None
     if spec is None or base is None:
         raise SpecError(problems.in_order(path))
+    if spec.report_to is not None and base.data.get("report_to") is not None:
+        problems.add(f"{path}:{line_of(root, ['report_to'])}: report_to: also in the base job "
+                     f"({base.path}); give it in one place")
 
     # counted from the axes, before any trial is built (32^6 would not fit in memory)
     count = math.prod(len(v) for v in spec.grid.values()) * (spec.random.samples if spec.random else 1)
@@ -370,6 +407,9 @@ def _trial(spec, base: Base, index, name, varied, sweep_dir, problems, cross) ->
             pass  # the base has a non-mapping there; its own error says so
     data["name"] = f"{spec.name}-{name}"
     data["output"] = None  # the fleet decides where trial adapters land
+    if spec.report_to is not None:   # the sweep's, its dirs taken from the sweep file's folder
+        data["report_to"] = [t.model_dump(mode="json")
+                             for t in resolve_trackers(spec.report_to, sweep_dir.resolve())]
 
     # Paths first, from the raw job, so a missing file shows even when the job has
     # other problems too.
@@ -398,6 +438,7 @@ def _trial(spec, base: Base, index, name, varied, sweep_dir, problems, cross) ->
         return None
     job = job.model_copy(update={
         "model": paths["model"],
+        "report_to": resolve_trackers(job.report_to, base.folder),
         "data": job.data.model_copy(update={"train": paths["data.train"],
                                             "valid": paths.get("data.valid")}),
     })
