@@ -9,7 +9,7 @@ DEMO    ?= demo
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 RUN     := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) PYTHONPATH=$(CURDIR)
 
-.PHONY: demo test test-fast install openblas sshd clean
+.PHONY: demo test test-fast install openblas sshd chromium clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP) openblas sshd
+install: $(STAMP) openblas sshd chromium
 
 # Best effort: only on Linux with apt and root; everything works without it, slower.
 openblas:
@@ -34,6 +34,15 @@ sshd:
 	    && [ "$$(id -u)" = 0 ]; then \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends openssh-server openssh-client iproute2) >/dev/null 2>&1 \
 	    || echo "note: could not install openssh-server; the lab tests will skip"; \
+	fi
+
+# tests/test_report.py opens `segctl report`'s page in a headless Chromium: best
+# effort as well; without it that test skips and says why.
+chromium:
+	@if [ "$$(uname)" = Linux ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null \
+	    && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	    || echo "note: could not install chromium; the report's browser test will skip"; \
 	fi
 
 # The demo sweep on the embedded default: Ray on this machine as a one-node fleet,

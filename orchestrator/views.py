@@ -7,17 +7,20 @@ import time
 
 import sys
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from segctl.schemas.records import Outcome, TrialState
+from segctl.schemas.records import Outcome, SweepState, TrialState
 
 # An attempt's outcome in the attempts column (the others as they are).
 SHORT = {Outcome.SUCCEEDED: "ok", Outcome.NODE_LOST: "lost", Outcome.INTERRUPTED: "intr",
          Outcome.CANCELLED: "cancel"}
 STATE_STYLE = {TrialState.SUCCEEDED: "green", TrialState.FAILED: "red", TrialState.CANCELLED: "dim",
                TrialState.RUNNING: "cyan", TrialState.PLACED: "cyan", TrialState.OOM: "yellow",
-               TrialState.NODE_LOST: "yellow", TrialState.PENDING: "",
+               TrialState.NODE_LOST: "yellow",
+               TrialState.PENDING: "default",   # not "": "[]PENDING[/]" is a markup error
                TrialState.STOPPED: "magenta"}
 
 
@@ -36,7 +39,14 @@ def trials_table(sweep: dict) -> Table:
     for t in sweep["trials"]:
         counts[t["state"]] = counts.get(t["state"], 0) + 1
     summary = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items()))
-    table = Table(title=f"{sweep['sweep']} ({sweep['state'].lower()}): {summary}",
+    about = [sweep["state"].lower()]
+    if sweep.get("owner"):
+        about.append(f"owner {sweep['owner']}")
+    if sweep.get("priority"):
+        about.append(f"priority {sweep['priority']}")
+    if sweep.get("share", 1.0) != 1.0:
+        about.append(f"share {sweep['share']:g}")
+    table = Table(title=f"{sweep['sweep']} ({', '.join(about)}): {summary}",
                   title_justify="left")
     for col in ("trial", "state", "node", "seg", "step", "loss", "peak GB", "val loss",
                 "attempts"):
@@ -47,6 +57,8 @@ def trials_table(sweep: dict) -> Table:
         outcomes = ",".join(SHORT.get(x["outcome"], x["outcome"] or x["status"])
                             for x in t["attempts"])
         note = t["message"] or " ".join(f"{k}={v}" for k, v in t["params"].items())
+        if t.get("pending_reason"):   # why it is still PENDING, as the head last found it
+            note = f"[yellow]{escape(t['pending_reason'])}[/]  {note}"
         short = t["trial"][len(sweep["sweep"]) + 1:] if t["trial"].startswith(sweep["sweep"]) else t["trial"]
         table.add_row(short, f"[{STATE_STYLE.get(t['state'], '')}]{t['state']}[/]",
                       a.get("node", ""), _num(a.get("segment_size"), "d"),
@@ -54,6 +66,60 @@ def trials_table(sweep: dict) -> Table:
                       _num(a.get("peak_gb"), ".3f"), _num(t["val_loss"], ".4f"),
                       outcomes, note)
     return table
+
+
+def duration(seconds) -> str:
+    """H:MM:SS (or "-" when not known)."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def watch_view(sweeps: list[dict]) -> Group:
+    """One frame of `segctl status --watch`: per sweep (orchestrator/report.progress)
+    its trials with a step bar and the time left, and the sweep's totals."""
+    from rich.progress_bar import ProgressBar
+    parts = []
+    for sw in sweeps:
+        tot = sw["totals"]
+        counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(tot["states"].items()))
+        table = Table(title=f"{sw['sweep']} ({sw['state'].lower()}): {counts}",
+                      title_justify="left", expand=False)
+        for col in ("trial", "state", "node", "progress", "step", "loss", "val loss",
+                    "steps/s", "ETA", "attempts"):
+            table.add_column(col, no_wrap=True)
+        table.add_column("params / message", ratio=1)
+        for t in sw["trials"]:
+            iters, step = t["iters"], t["step"] or 0
+            bar = (ProgressBar(total=iters, completed=min(step, iters), width=16,
+                               finished_style="green",
+                               complete_style="green" if t["state"] == TrialState.SUCCEEDED
+                               else "cyan")
+                   if iters else "")
+            note = t["message"] or " ".join(f"{k}={v}" for k, v in t["params"].items())
+            outcomes = ",".join(SHORT.get(x, x) for x in t["attempts"])
+            table.add_row(t["short"], Text(t["state"], style=STATE_STYLE.get(t["state"], "")),
+                          t["node"] or "", bar, f"{step}/{iters or '?'}", _num(t["loss"], ".4f"),
+                          _num(t["val_loss"], ".4f"), _num(t["rate"], ".2f"),
+                          duration(t["eta_s"]) if t["eta_s"] is not None else "",
+                          outcomes, note)
+        total = tot["total_steps"] or 0
+        line = Table.grid(padding=(0, 1))
+        line.add_row("[bold]sweep[/]",
+                     ProgressBar(total=total or 1, completed=tot["steps"], width=40,
+                                 finished_style="green"),
+                     f"{tot['steps']}/{total} steps",
+                     f"{tot['rate']:.2f} steps/s" if tot["rate"] else "",
+                     f"ETA {duration(tot['eta_s'])}" if sw["state"] == SweepState.RUNNING
+                     else f"{sw['state'].lower()}",
+                     f"best val loss {tot['best_val_loss']:.4f}"
+                     if tot["best_val_loss"] is not None else "")
+        parts += [table, line]
+    if not sweeps:
+        parts.append("no sweeps yet: segctl submit SWEEP.yaml")
+    parts.append(f"[dim]{time.strftime('%H:%M:%S')}  Ctrl-C to quit[/]")
+    return Group(*parts)
 
 
 def nodes_table(nodes: list[dict]) -> Table:

@@ -1,0 +1,224 @@
+"""Seeing a sweep: `segctl status --watch` (JSON lines when piped, a live table with
+step bars and ETAs on a terminal, Ctrl-C quits with 0) and `segctl report` (one
+self-contained HTML page, opened in a real headless Chromium). The stores are a real
+sweep's (tests/sweepworld.py: the head's controller, the real engine per attempt, one
+real out-of-memory re-plan and one lost node)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from segctl.orchestrator import report, views
+from segctl.orchestrator.stores import Stores
+from tests.conftest import assert_one_line_error, cli_env, segctl
+from tests.sweepworld import ITERS, run_sweep
+
+
+@pytest.fixture(scope="module")
+def swept(demo_dir, tmp_path_factory):
+    """The sweep run to the end, and the watch's snapshots taken while it ran."""
+    base = tmp_path_factory.mktemp("look")
+    home = base / "home"
+    memo, snaps, mid = report.new_memo(), [], []
+
+    def watch(sid):   # what `status --watch` and `report` would show, read from the stores mid-run
+        db = report.open_db(home)
+        try:
+            snaps.append(report.progress(db, Stores(home), sid, memo))
+        finally:
+            db.close()
+        if not mid and any(t["state"] == "RUNNING" and (t["step"] or 0) > 5
+                           for t in snaps[-1][0]["trials"]):
+            mid.append((snaps[-1][0], report.collect(home, sid)))
+    info = run_sweep(demo_dir, home, base / "work", on_batch=watch)
+    return dict(info, home=home, env={"SEGCTL_HOME": home, "SEGCTL_CLUSTER": None}, snaps=snaps,
+                mid=mid)
+
+
+# ==================================================================== status --watch
+
+def test_watch_piped_prints_json_snapshots_and_stops(swept):
+    proc = segctl("status", swept["sweep"], "--watch", "--count", "3", "--interval", "0.1",
+                  env=swept["env"])
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(l) for l in proc.stdout.splitlines()]
+    assert len(lines) == 3 and lines[0]["time"] < lines[1]["time"] < lines[2]["time"]
+    [sw] = lines[-1]["sweeps"]
+    assert sw["sweep"] == swept["sweep"] and sw["state"] == "DONE"
+    assert [t["trial"] for t in sw["trials"]] == swept["trials"]
+    assert sw["totals"]["steps"] == sw["totals"]["total_steps"] == 4 * ITERS
+    assert sw["totals"]["states"] == {"SUCCEEDED": 4} and sw["totals"]["eta_s"] is None
+    by = {t["trial"]: t for t in sw["trials"]}
+    assert by[swept["oom"]]["attempts"] == ["oom", "succeeded"]
+    assert by[swept["lost"]]["attempts"] == ["node_lost", "succeeded"]
+    assert all((t["step"], t["iters"]) == (ITERS, ITERS) for t in sw["trials"])
+
+    # --until-done: a finished sweep is one snapshot
+    done = segctl("status", "--watch", "--until-done", env=swept["env"])
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 1, done.stderr
+
+
+def test_watch_of_an_unknown_sweep_is_one_line(swept):
+    assert_one_line_error(segctl("status", "nope-1", "--watch", env=swept["env"]), "nope-1")
+
+
+def test_watch_quits_on_ctrl_c_with_0_piped_and_on_a_terminal(swept):
+    cmd = [sys.executable, "-m", "segctl.orchestrator.cli", "status", swept["sweep"], "--watch",
+           "--interval", "0.2"]
+    env = cli_env() | {"SEGCTL_HOME": str(swept["home"])}
+    env.pop("SEGCTL_CLUSTER", None)
+    piped = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    json.loads(piped.stdout.readline())   # it is watching
+    piped.send_signal(signal.SIGINT)
+    out, err = piped.communicate(timeout=60)
+    assert piped.returncode == 0 and "Traceback" not in err, err
+
+    # on a terminal: the live table, and the cursor shown again when it quits
+    main, sub = pty.openpty()
+    live = subprocess.Popen(cmd, stdin=sub, stdout=sub, stderr=sub, env=env | {"COLUMNS": "160"},
+                            start_new_session=True)
+    os.close(sub)
+    seen = b""
+    deadline = time.time() + 60
+    while b"Ctrl-C to quit" not in seen and time.time() < deadline:
+        if select.select([main], [], [], 1)[0]:
+            seen += os.read(main, 65536)
+    assert b"Ctrl-C to quit" in seen and "━".encode() in seen, seen[-2000:]
+    os.killpg(live.pid, signal.SIGINT)   # what the terminal sends on Ctrl-C
+    assert live.wait(timeout=60) == 0
+    while select.select([main], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:   # the other end closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    assert b"Traceback" not in seen and seen.rstrip().endswith(b"\x1b[?25h"), seen[-500:]
+
+
+def test_a_frame_shows_step_bars_eta_and_totals(swept):
+    """One frame of the live table, rendered from a snapshot taken while trials ran."""
+    running = [(s, t) for snap in swept["snaps"] for s in snap for t in s["trials"]
+               if t["state"] == "RUNNING" and t["eta_s"] is not None and 0 < t["step"] < ITERS]
+    assert running, "no snapshot caught a running trial with a step rate"
+    sw, t = running[len(running) // 2]
+    assert t["rate"] > 0 and t["eta_s"] == pytest.approx((ITERS - t["step"]) / t["rate"], abs=0.1)
+    assert sw["totals"]["eta_s"] is not None and sw["totals"]["rate"] >= t["rate"]
+    console = views.Console(file=io.StringIO(), width=180, record=True)
+    console.print(views.watch_view([sw]))
+    text = console.export_text()
+    row = next(l for l in text.splitlines() if f" {t['short']} " in l)
+    assert "━" in row and f"{t['step']}/{ITERS}" in row and views.duration(t["eta_s"]) in row
+    assert f"ETA {views.duration(sw['totals']['eta_s'])}" in text
+    assert f"{sw['totals']['steps']}/{4 * ITERS} steps" in text
+
+
+# ==================================================================== report
+
+def test_report_data_is_the_sweeps(swept, tmp_path):
+    data = report.collect(swept["home"], swept["sweep"])
+    by = {t["trial"]: t for t in data["trials"]}
+    assert list(by) == swept["trials"] and data["params"] == ["train.learning_rate", "lora.rank"]
+    for t in data["trials"]:
+        assert [s for s, _ in t["loss"]] == list(range(1, ITERS + 1)), t["trial"]
+        assert [s for s, _ in t["evals"]] == list(range(5, ITERS + 1, 5))
+        assert t["best_val_loss"] == pytest.approx(min(v for _, v in t["evals"]), abs=1e-6)
+        m = t["memory"][-1]
+        assert m["phases"] and len(m["steps"]) == len(m["peaks"]) and m["budget_gb"] == 8.0
+        assert m["predicted_gb"] > 0
+    oom, ok = by[swept["oom"]]["attempts"]
+    assert oom["outcome"] == "oom" and ok["segment_size"] < oom["segment_size"]
+    lost, resumed = by[swept["lost"]]["attempts"]
+    assert lost["outcome"] == "node_lost" and resumed["resume_step"] == 24
+    # the best adapters: ranked as gather ranks them, until gather has run
+    ranked = [e["trial"] for e in data["best"]["entries"]]
+    assert data["best"]["source"] == "ranking" and ranked == sorted(
+        by, key=lambda k: by[k]["best_val_loss"])
+    out = tmp_path / "best"
+    g = segctl("gather", swept["sweep"], "--out", out, "--best", "2", env=swept["env"])
+    assert g.returncode == 0, g.stderr
+    gathered = report.collect(swept["home"], swept["sweep"], gathered=out)["best"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert gathered["source"] == "manifest" and gathered["entries"] == manifest
+    assert manifest == data["best"]["entries"][:2]   # the same entries, files' sha256 too
+
+
+def test_report_while_trials_run_reads_their_staged_telemetry(swept):
+    """Before an attempt is sealed its steps are only in staging.db: the report has them."""
+    assert swept["mid"], "no report was taken while a trial ran"
+    snap, data = swept["mid"][0]
+    by = {t["trial"]: t for t in data["trials"]}
+    running = [t for t in snap["trials"] if t["state"] == "RUNNING" and (t["step"] or 0) > 5]
+    assert running
+    for t in running:
+        steps = [s for s, _ in by[t["trial"]]["loss"]]
+        assert steps[:t["step"]] == list(range(1, t["step"] + 1)), t["trial"]
+        assert by[t["trial"]]["attempts"][-1]["status"] != "ended"
+    assert data["sweep"]["state"] == "RUNNING" and "<" not in report.render(data).split(
+        'id="report-data" type="application/json">')[1].split("</script>")[0]
+
+
+def test_report_refuses_bad_input_in_one_line(swept, tmp_path):
+    assert_one_line_error(segctl("report", "nope-1", "--out", tmp_path / "r.html",
+                                 env=swept["env"]), "nope-1")
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g/manifest.json").write_text("{not json")
+    assert_one_line_error(segctl("report", swept["sweep"], "--gathered", tmp_path / "g",
+                                 "--out", tmp_path / "r.html", env=swept["env"]),
+                          "manifest.json")
+    assert not (tmp_path / "r.html").exists()
+
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(n)), None)
+# Headless in a container: no zygote (its forked children never answer there), no /dev/shm limits.
+HEADLESS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-zygote",
+            "--disable-dev-shm-usage", "--hide-scrollbars", "--virtual-time-budget=5000"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (make install adds it on "
+                                              "Debian/Ubuntu as root)")
+def test_report_opens_in_headless_chromium(swept, tmp_path):
+    from PIL import Image
+    page = tmp_path / "report.html"
+    proc = segctl("report", swept["sweep"], "--out", page, env=swept["env"])
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in text and "<link" not in text and " src=" not in text  # all inline
+
+    dom = subprocess.run([CHROMIUM, *HEADLESS, "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    head = html[:html.index(">", html.index("<html")) + 1]
+    assert "data-errors" not in head, head   # the page records any script error there
+    assert 'data-charts="7"' in head, head   # 2 loss, 2 memory, 1 timeline, 2 parameters
+    assert f'<span id="trial-count">{len(swept["trials"])}</span>' in html
+    assert html.count("<path") > 20 and html.count("<circle") >= 4 * 6 + 4   # drawn
+
+    shot = tmp_path / "report.png"
+    run = subprocess.run([CHROMIUM, *HEADLESS, "--window-size=1400,2600",
+                          f"--screenshot={shot}", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and shot.is_file(), run.stderr[-2000:]
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1400, 2600)
+    # the loss charts' band: many colours (lines, antialiasing), not an empty card
+    band = img.crop((0, 380, 1400, 720))
+    assert len(band.getcolors(1 << 20)) > 300
+    assert len(img.getcolors(1 << 20)) > 1000
