@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_serializer, model_validator)
 
 from .defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_LENGTH,
                        DEFAULT_MLP_CHUNK)
 from .limits import (MAX_HIDDEN, MAX_LAYERS, MAX_MEMORY_GB, MAX_NAME_CHARS, MAX_SEED, MAX_STEPS,
                      MAX_TOKENS, NAME_PATTERN, check_path)
-from .yamlspec import load_yaml, validate
+from .yamlspec import did_you_mean, load_yaml, validate
 
 Method = Literal["sft", "orpo", "dpo"]
 METHODS: tuple[str, ...] = Method.__args__
@@ -159,6 +159,76 @@ class DpoSpec(Strict):
                                                   "instead of a chosen and a rejected branch")
 
 
+# Experiment trackers a run can stream to (`report_to`); orchestrator/trackers.py
+# writes to them, the engine never imports one.
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+# The keys each tracker takes besides `type` (where it writes).
+TRACKER_KEYS = {"tensorboard": ("dir",), "mlflow": ("uri",), "wandb": ("project", "entity", "dir")}
+
+
+class TrackerSpec(Strict):
+    """One entry of `report_to`: a tracker's name, or {type: name, ...} saying where it
+    writes. Defaults are under the stores root (<home>/trackers/)."""
+    type: Literal["tensorboard", "mlflow", "wandb"]
+    dir: Optional[PathStr] = Field(None, description="tensorboard: the log root, a folder per sweep "
+                                                     "(default <home>/trackers/tensorboard); wandb: "
+                                                     "where its wandb/ folder goes (default "
+                                                     "<home>/trackers)")
+    uri: Optional[PathStr] = Field(None, description="mlflow: the tracking URI (default "
+                                                     "sqlite:///<home>/trackers/mlflow.db)")
+    project: Optional[str] = Field(None, pattern=NAME_PATTERN, max_length=MAX_NAME_CHARS,
+                                   description="wandb: the project (default segctl)")
+    entity: Optional[str] = Field(None, pattern=NAME_PATTERN, max_length=MAX_NAME_CHARS,
+                                  description="wandb: the team or user (default wandb's own)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_or_mapping(cls, v):
+        if isinstance(v, str):
+            v = {"type": v}
+        if not isinstance(v, dict):
+            raise ValueError(f"expected a tracker's name ({', '.join(TRACKERS)}) or "
+                             f"{{type: name, ...}}, got {type(v).__name__}")
+        kind = v.get("type")
+        if isinstance(kind, str) and kind not in TRACKERS:
+            raise ValueError(f"unknown tracker {kind!r}" + did_you_mean(kind, list(TRACKERS)))
+        for key in v:   # said here: the key of a list item has no "did you mean" otherwise
+            if key not in cls.model_fields:
+                raise ValueError(f"{key}: unknown key" + did_you_mean(str(key), list(cls.model_fields)))
+        return v
+
+    @model_validator(mode="after")
+    def _keys_of_its_type(self):
+        for key in ("dir", "uri", "project", "entity"):
+            if getattr(self, key) is not None and key not in TRACKER_KEYS[self.type]:
+                takes = ", ".join(TRACKER_KEYS[self.type])
+                raise ValueError(f"{key}: not a key of {self.type} (it takes {takes})")
+        return self
+
+
+def _trackers_list(v):
+    """`report_to: tensorboard` is `report_to: [tensorboard]`; null is none."""
+    return [] if v is None else [v] if isinstance(v, (str, dict)) else v
+
+
+def _each_tracker_once(v: list[TrackerSpec]) -> list[TrackerSpec]:
+    types = [t.type for t in v]
+    twice = sorted({t for t in types if types.count(t) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given more than once")
+    return v
+
+
+ReportTo = Annotated[list[TrackerSpec], BeforeValidator(_trackers_list),
+                     AfterValidator(_each_tracker_once)]
+
+
+def resolve_trackers(trackers: list[TrackerSpec], folder: Path) -> list[TrackerSpec]:
+    """A tracker's relative `dir` is taken from `folder` (the file that wrote it)."""
+    return [t.model_copy(update={"dir": str((folder / t.dir).resolve())}) if t.dir else t
+            for t in trackers]
+
+
 class JobSpec(Strict):
     name: str = Field("job", pattern=NAME_PATTERN, max_length=MAX_NAME_CHARS,
                       description="letters, digits, '.', '_', '-'")
@@ -175,6 +245,9 @@ class JobSpec(Strict):
     telemetry: TelemetrySpec = TelemetrySpec()
     orpo: OrpoSpec = OrpoSpec()
     dpo: DpoSpec = DpoSpec()
+    report_to: ReportTo = Field(
+        [], description="trackers the run's metrics and params stream to: tensorboard, mlflow, "
+                        "wandb (each a name or {type: name, dir|uri|project: ...})")
 
     @field_validator("orpo", "dpo")
     @classmethod
@@ -194,6 +267,8 @@ class JobSpec(Strict):
             for section in ("orpo", "dpo"):
                 if self.method != section:
                     d.pop(section, None)
+            if not self.report_to:
+                d.pop("report_to", None)
         return d
 
     @property
@@ -219,6 +294,7 @@ def load_job(path: str | Path) -> JobSpec:
     resolve = lambda p: str((base / p).resolve()) if p else p
     return job.model_copy(update={
         "model": resolve(job.model), "output": resolve(job.output),
+        "report_to": resolve_trackers(job.report_to, base),
         "data": job.data.model_copy(update={"train": resolve(job.data.train),
                                             "valid": resolve(job.data.valid)}),
     })
