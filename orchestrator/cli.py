@@ -91,9 +91,19 @@ def validate(spec: Path):
     kind, obj = _load(load_spec, spec)
     if kind in ("job", "sweep"):
         _check_families(spec, [obj.model] if kind == "job" else [t.job.model for t in obj.trials])
+        _check_trackers(spec, [obj] if kind == "job" else [t.job for t in obj.trials])
     what = {"job": "job", "sweep": f"sweep of {len(getattr(obj, 'trials', []))} trials",
             "cluster": f"cluster of {len(getattr(obj, 'nodes', []))} nodes"}[kind]
     click.echo(f"{spec}: ok ({what})")
+
+
+def _check_trackers(where, jobs) -> None:
+    """Exit 2 naming the extra to install when a tracker of `report_to` is not
+    installed here (refused now, not found missing mid-sweep)."""
+    from segctl.orchestrator.trackers import missing
+    trackers = {t.type: t for job in jobs for t in job.report_to}
+    for line in missing(list(trackers.values())):
+        _fail(f"{where}: {line}")
 
 
 def _check_families(where, models) -> None:
@@ -139,10 +149,16 @@ def train(job_file: Path, resume: bool, as_json: bool):
     job = _load(load_job, job_file)
     if job.output is None:
         _fail(f"{job_file}: output: required key is missing (segctl train writes the adapter there)")
+    _check_trackers(job_file, [job])
     job = _resolve_auto(job, job_file)
 
     screen = telemetry.json_lines(sys.stdout) if as_json else telemetry.for_terminal()
     emit = telemetry.fan_out(screen, telemetry.events_file(lambda: job.output))
+    if job.report_to:   # the trackers hear the run's events too, in $SEGCTL_HOME/trackers by default
+        from segctl.orchestrator.fleet import segctl_home
+        from segctl.orchestrator.trackers import job_sink
+        warn = lambda line: click.echo(one_line(f"segctl: warning: {line}"), err=True)
+        emit = telemetry.fan_out(emit, job_sink(job, segctl_home(), resume=resume, warn=warn))
     code, message = run_reported(job, resume=resume, emit=emit,
                                  debug=bool(os.environ.get("SEGCTL_DEBUG")))
     if code:
@@ -229,6 +245,7 @@ def _payload(sweep_file, spec):
         _fail(f"{sweep_file}: this is a cluster file; submit a sweep or a job file")
     sweep = _load(single_job_sweep if kind == "job" else load_sweep, sweep_file)
     _check_families(sweep_file, [t.job.model for t in sweep.trials])
+    _check_trackers(sweep_file, [t.job for t in sweep.trials])
     try:
         return prepare(sweep, _knobs(spec))
     except (ValueError, DataError, OSError) as e:
@@ -455,8 +472,26 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
 @cluster_option
 @click.option("--json", "as_json", is_flag=True, help="JSON: per sweep, per trial: state and "
               "attempts (node, segment_size, outcome, peak_gb, ...)")
-def status(sweep, cluster_file, as_json: bool):
-    """Show sweeps (all, or SWEEP) and their trials, from the head's state.db."""
+@click.option("--watch", is_flag=True, help="keep showing progress (step bars, ETA) until "
+              "Ctrl-C; piped (or with --json): one JSON line per interval")
+@click.option("--interval", type=click.FloatRange(0.05, 3600), default=2.0, show_default=True,
+              help="--watch: seconds between snapshots")
+@click.option("--count", type=click.IntRange(1), default=None,
+              help="--watch: stop after N snapshots")
+@click.option("--until-done", is_flag=True,
+              help="--watch: stop after the first snapshot where no shown sweep is running")
+def status(sweep, cluster_file, as_json: bool, watch: bool, interval: float, count,
+           until_done: bool):
+    """Show sweeps (all, or SWEEP) and their trials, from the head's state.db.
+
+    --watch reads the stores (state.db and the telemetry) every --interval seconds,
+    whether or not the head runs: on a terminal a table updating in place, each trial
+    with its step bar and ETA (from its recent step rate) and the sweep's totals; piped
+    or with --json one JSON line per snapshot ({"time", "sweeps": [...]}). Ctrl-C
+    quits with exit 0."""
+    if watch or count or until_done:
+        sys.exit(_watch(_root(_cluster(cluster_file)), sweep, interval, count, until_done,
+                        as_json))
     sweeps = _status(_root(_cluster(cluster_file)), sweep)
     if as_json:
         click.echo(json.dumps(sweeps, indent=2))
@@ -466,6 +501,46 @@ def status(sweep, cluster_file, as_json: bool):
         console.print("no sweeps yet: segctl submit SWEEP.yaml")
     for sw in sweeps:
         console.print(views.trials_table(sw))
+
+
+def _watch(root: Path, sweep, interval: float, count, until_done: bool, as_json: bool) -> int:
+    """`status --watch`: a snapshot every `interval` s, live on a terminal, else JSON lines."""
+    from segctl.orchestrator import report
+    from segctl.orchestrator.stores import Stores
+    from segctl.schemas.records import SweepState
+    memo, stores = report.new_memo(), Stores(root)
+    try:
+        db = report.open_db(root)
+        snap = report.progress(db, stores, sweep, memo)
+    except (FileNotFoundError, KeyError) as e:
+        _fail(str(e).strip("'\""))
+    live = None
+    if not as_json and sys.stdout.isatty():
+        from rich.live import Live
+        live = Live(views.watch_view(snap), console=views.console(), auto_refresh=False)
+        live.start()
+    shown = 0
+    try:
+        while True:
+            shown += 1
+            if live:
+                live.update(views.watch_view(snap), refresh=True)
+            else:
+                click.echo(json.dumps({"time": time.time(), "sweeps": snap}))
+                sys.stdout.flush()
+            if (count and shown >= count) or (
+                    until_done and all(s["state"] != SweepState.RUNNING for s in snap)):
+                return 0
+            time.sleep(interval)
+            snap = report.progress(db, stores, sweep, memo)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:   # `| head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        if live:
+            live.stop()
 
 
 @main.command()
@@ -573,6 +648,33 @@ def gather(sweep, out: Path, best, metric, cluster_file):
         _fail(str(e))
     n = len(json.loads((path / "manifest.json").read_text()))
     click.echo(f"wrote {n} adapter folder(s) and manifest.json to {path}")
+
+
+@main.command()
+@click.argument("sweep")
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="the HTML file to write  [default: SWEEP.html here]")
+@click.option("--gathered", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="the folder `segctl gather --out` wrote: list its manifest's adapters "
+                   "(default: the ones `gather --best K` would export)")
+@click.option("--best", type=click.IntRange(1), default=5, show_default=True,
+              help="without --gathered: how many adapters to list")
+@cluster_option
+def report(sweep, out, gathered, best: int, cluster_file):
+    """Write one self-contained HTML page about SWEEP (opens offline: no network, its
+    data and scripts inline): loss and val-loss curves per trial, per-phase memory
+    against each node's budget and the planner's prediction, the attempts per node
+    over time (out-of-memory re-plans and lost nodes marked), each swept parameter
+    against the best val loss, and the best adapters. Reads only the stores."""
+    from segctl.orchestrator.report import collect, render
+    from segctl.schemas.atomic import write_atomic
+    try:
+        data = collect(_root(_cluster(cluster_file)), sweep, gathered=gathered, best=best)
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        _fail(str(e).strip("'\""))
+    out = out or Path(f"{sweep}.html")
+    write_atomic(out, render(data), mode=0o600)   # who trained what is the owner's alone
+    click.echo(f"wrote {out}: {len(data['trials'])} trials, {out.stat().st_size:,} bytes")
 
 
 # -------------------------------------------------------------------- cluster / node

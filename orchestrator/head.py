@@ -4,11 +4,13 @@ controller loop (what runs next, where, and what to do when it ends).
 One loop, top to bottom each turn:
   1. see which nodes are alive (Ray's node table) and give each an agent;
   2. collect attempts that ended and apply their outcome (the state machine);
-  3. place pending trials: highest priority first, the sweep's concurrency cap
-     holds, only on nodes where the planner predicts the trial fits. A node takes
-     up to its max_trials at once: each attempt holds the memory its plan
-     predicts (plus the margin) and is guarded at that, and the next trial is
-     planned in what is left.
+  3. place pending trials: highest priority first, among equal priorities the
+     sweep furthest below its fair share (orchestrator/scheduler.py), the sweep's
+     concurrency cap holds, only on nodes where the planner predicts the trial
+     fits. A node takes up to its max_trials at once: each attempt holds the
+     memory its plan predicts (plus the margin) and is guarded at that, and the
+     next trial is planned in what is left. Each trial left pending gets the
+     reason it waits in state.db (`segctl status` shows it).
 Agents call back into the same actor (`started`, `ingest`, `checkpoint`), which
 makes this actor the collector: the stores' only writer.
 
@@ -28,9 +30,11 @@ import logging.handlers
 import os
 import threading
 import time
+from collections import Counter, deque
 from pathlib import Path
 
 import ray
+from pydantic import ValidationError
 
 from segctl.node import models
 from segctl.node.raynode import private_dir
@@ -40,16 +44,18 @@ from segctl.schemas.job import JobSpec
 from segctl.schemas.records import (OUTCOME_MOVES, TERMINAL, AttemptResult, AttemptSpec,
                                     AttemptStatus, NodeInfo, Outcome, ProbeSpec, SweepState,
                                     TrialState, TuneState)
-from segctl.schemas.sweep import SchedulerSpec
+from segctl.schemas.sweep import SchedulerSpec, SweepSpec
 
-from . import measured, planner
+from . import measured, planner, scheduler
 from .state import State, read as read_state
 from .stores import Stores
+from .trackers import HeadStreams
 
 HEAD_NAME = "segctl-head"
 LOG_BYTES, LOG_KEEP = 1 << 20, 3      # head.log rotates at 1 MiB, three old ones kept
 NAMESPACE = "segctl"
 TICK_S = 0.2
+FILE_S = 0.5          # a turn files ended attempts for this long at most, then places again
 NODES_EVERY_S = 1.0
 # Ray's ways of saying "the worker or node that held this attempt is gone".
 LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
@@ -76,12 +82,18 @@ class Controller:
         self.held: dict[str, dict] = {}         # node -> {attempt (or "tune:ID"): GB it holds}
         self.free_since: dict[str, float] = {}  # node -> when it last became free
         self.inflight: dict[object, tuple[int, str, str]] = {}   # ref -> (attempt, trial, node)
+        self.to_file: deque[tuple[int, AttemptResult]] = deque()   # ended, not yet filed
         self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
-        self.plans: dict[tuple, object] = {}    # (trial, node, budget, max_segment) -> Plan
+        self.plans: dict[tuple, object] = {}    # (trial, class, budget, max_segment) -> Plan
+        self.placements = 0                     # attempts placed by this head, counted
+        self.served: dict[str, int] = {}        # sweep -> the count when it last got a node
+        self.live: dict[str, str] = {}          # trial -> its sweep, of the attempts in flight
         self.fitted: dict[str, dict] = {}       # model key -> {measured.match_key: MemoryModel}
         self.probing: dict[object, tuple[str, str, str]] = {}   # ref -> (tune, class, node)
         self.nodes_seen = 0.0
+        self.trackers = HeadStreams(self.root, self.log)   # report_to: a thread of its own
         self.wake = threading.Event()          # set by requests that may make work runnable
+        self.waiting = self.state.waiting()    # trial -> why it waits, as state.db has it
         self.recover()
 
     # ------------------------------------------------------------ requests
@@ -217,18 +229,23 @@ class Controller:
                                 f"engine process {pid} started on {a['node']}", attempt=aid)
 
     def ingest(self, aid: int, events: list[dict]) -> int:
-        with self.mu:
-            a = self.state.attempt(aid)
-            new = self.stores.ingest(a["sweep"], a["trial"], aid, events)
-            steps = [e for e in events if e.get("event") == "step"]
-            if steps:
-                last = steps[-1]
-                peak = max([a["peak_gb"] or 0.0] + [e["peak_gb"] for e in steps])
-                self.state.update_attempt(aid, step=last["step"], loss=last["loss"], peak_gb=peak)
-            evals = [e for e in events if e.get("event") == "eval"]
-            if evals:
+        # The stores and state.db lock for themselves: a batch goes in without waiting
+        # for `mu`, which the controller holds while it files ended attempts (their
+        # adapters and Parquet files). Only a decision (asha) takes it.
+        a = self.state.attempt(aid)
+        new = self.stores.ingest(a["sweep"], a["trial"], aid, events)
+        steps = [e for e in events if e.get("event") == "step"]
+        if steps:
+            last = steps[-1]
+            peak = max([a["peak_gb"] or 0.0] + [e["peak_gb"] for e in steps])
+            self.state.update_attempt(aid, step=last["step"], loss=last["loss"], peak_gb=peak)
+        evals = [e for e in events if e.get("event") == "eval"]
+        if evals:
+            with self.mu:
                 self.guarded(f"attempt {aid}: asha at its evals", self.judge, a, evals)
-            return new
+        self.guarded(f"attempt {aid}: its trackers", self.trackers.feed, a, events,
+                     lambda: self.state.trial(a["trial"]))
+        return new
 
     def judge(self, a, evals: list[dict]) -> None:
         """Asynchronous successive halving (the ASHA paper; Ray Tune's AsyncHyperBand):
@@ -262,9 +279,8 @@ class Controller:
                 return
 
     def checkpoint(self, aid: int, step: int, files: dict[str, bytes]) -> None:
-        with self.mu:
-            a = self.state.attempt(aid)
-            self.stores.put_checkpoint(a["sweep"], a["trial"], aid, step, files)
+        a = self.state.attempt(aid)   # no `mu`: the stores lock for themselves (see ingest)
+        self.stores.put_checkpoint(a["sweep"], a["trial"], aid, step, files)
 
     def model_folder(self, path: str) -> str:
         """A node asks for a model it does not have: only a model some trial trains
@@ -303,28 +319,33 @@ class Controller:
                 self.place()
         refs = list(self.inflight) + list(self.probing)
         ready = []
-        if refs:
-            ready, _ = self.wait(refs, num_returns=len(refs), timeout=TICK_S)
-        else:
+        if refs:   # ends still to file: look, but do not wait
+            ready, _ = self.wait(refs, num_returns=len(refs),
+                                 timeout=0 if self.to_file else TICK_S)
+        elif not self.to_file:
             self.wake.wait(TICK_S)
         self.wake.clear()
-        ended = []
         for ref in ready:
             if ref in self.probing:
                 self._probed(ref)
                 continue
             aid, tid, node = self.inflight.pop(ref)
-            ended.append((aid, self._result(ref, aid, node)))
+            self.to_file.append((aid, self._result(ref, aid, node)))
             with self.mu:
                 self.held.get(node, {}).pop(aid, None)
-                self.free_since[node] = ended[-1][1].ended or self.clock()
+                self.free_since[node] = self.to_file[-1][1].ended or self.clock()
         with self.mu:
             # Freed nodes get their next trial before the finished attempts are
-            # filed: storing an adapter takes longer than starting a process.
+            # filed: storing an adapter takes longer than starting a process. Filing
+            # stops after FILE_S (the rest next turn), so nodes that free up meanwhile
+            # wait for one turn's filing at most, however many attempts end together.
             self.place()
-            for aid, result in ended:
+            filed, t0 = 0, time.monotonic()
+            while self.to_file and (not filed or time.monotonic() - t0 < FILE_S):
+                aid, result = self.to_file.popleft()
                 self.guarded(f"attempt {aid}: filing its end", self.finish, aid, result)
-            if ended:
+                filed += 1
+            if filed:
                 self.place()   # trials that went back to PENDING (oom, node lost)
 
     def _result(self, ref, aid: int, node: str) -> AttemptResult:
@@ -388,66 +409,129 @@ class Controller:
         return n.memory_gb - sum(self.held.get(n.name, {}).values())
 
     def place(self) -> None:
+        """Free nodes to pending trials: a tune's probes first, then trial by trial in
+        the order of scheduler.next_sweep (priority, then fair share among equals, then
+        each sweep's own order). Every pending trial left has its reason in state.db."""
         free = [n for n in self.nodes.values() if self.takes_work(n)]
         free = self._place_probes(free)
+        # What each sweep runs is what it has in flight: an attempt that ended this turn
+        # frees its share before its trial's end is filed.
+        flying = {tid for _, tid, _ in self.inflight.values()}
+        self.live = {tid: sid for tid, sid in self.live.items() if tid in flying}
+        runs = Counter(self.live.values())
+        sweeps, pending, turn = {}, {}, []
         for s in self.state.running_sweeps():
+            spec = json.loads(s["spec"])
+            sweeps[s["id"]] = (s, spec)
+            pending[s["id"]] = self.state.trials(s["id"], TrialState.PENDING)
+            turn.append(scheduler.Contender(
+                sweep=s["id"], priority=s["priority"], share=spec.get("share", 1.0),
+                created=s["created"], cap=s["concurrency"], pending=len(pending[s["id"]]),
+                running=runs[s["id"]],
+                served=self.served.get(s["id"], 0)))
+        why: dict[str, str] = {}   # trial -> why it waits, for those tried and not placed
+        while free and (c := scheduler.next_sweep(turn)) is not None:
+            (s, spec), t = sweeps[c.sweep], pending[c.sweep][c.tried]
+            c.tried += 1
             try:
-                self._place_sweep(s, free)
+                why[t["id"]] = self._place_trial(s, spec, t, free)
             except Exception as e:   # this sweep cannot be planned: it fails, the others go on
                 self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: placing it", e))
+                turn.remove(c)
+                continue
+            if why[t["id"]] is None:
+                c.running += 1
+                c.placed += 1
+                self.placements += 1
+                self.served[c.sweep] = self.placements
+        nodes = len(self.nodes)
+        slots = sum(n.max_trials for n in self.nodes.values())
+        waiting = {}
+        for c in turn:
+            left = scheduler.why_waiting(c, turn, nodes=nodes, slots=slots)
+            for t in pending[c.sweep]:
+                reason = why.get(t["id"], left)
+                if reason:   # None: placed now; '': failed now
+                    waiting[t["id"]] = (c.sweep, reason)
+        self._note_waiting(waiting)
 
-    def _place_sweep(self, s, free: list[NodeInfo]) -> None:
-        """Place what fits of one sweep's pending trials on `free` (taking the nodes it uses)."""
-        cap = s["concurrency"]
-        live = self.state.count_trials(s["id"], (TrialState.PLACED, TrialState.RUNNING))
-        spec = json.loads(s["spec"])
+    def _note_waiting(self, waiting: dict[str, tuple[str, str]]) -> None:
+        """Write to state.db the reasons that changed since the last placement (most
+        trials wait for the same reason turn after turn)."""
+        changed = {t: v for t, v in waiting.items() if self.waiting.get(t) != v[1]}
+        gone = [t for t in self.waiting if t not in waiting]
+        if changed or gone:
+            self.state.note_waiting(changed, gone)
+            self.waiting = {t: v[1] for t, v in waiting.items()}
+
+    def _place_trial(self, s, spec: dict, t, free: list[NodeInfo]) -> str | None:
+        """Place trial `t` of sweep `s` on the best of `free` where it fits now (taking
+        the node out of `free` once it is full). None when it went; else why it waits
+        ('' when it failed instead: no node it may use can ever hold it)."""
         placement = spec.get("placement") or {}
         knobs = spec.get("planner") or {}
-        for t in self.state.trials(s["id"], TrialState.PENDING):
-            if not free or (cap is not None and live >= cap):
-                break
-            excluded = set(json.loads(t["excluded"]))
-            candidates = [n for n in self.nodes.values()
-                          if n.matches(placement) and n.name not in excluded]
-            if not candidates:
-                if excluded and self.nodes:
-                    why = (f"out of memory at segment_size 1 on {sorted(excluded)} "
-                           "and no other node matches")
-                    self.state.move(t["id"], TrialState.FAILED, why, message=why)
-                    self._maybe_done(s["id"])
-                continue
-            # Whether it fits a node at all is judged on the whole node ...
-            plans = {n.name: self._plan(t, n, knobs) for n in candidates}
-            if not any(p.fits for p in plans.values()):
-                worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
-                why = f"does not fit any node ({worst})"
+        margin = knobs.get("margin", DEFAULT_MARGIN)
+        excluded = set(json.loads(t["excluded"]))
+        candidates = [n for n in self.nodes.values()
+                      if n.matches(placement) and n.name not in excluded]
+        if not candidates:
+            if excluded and self.nodes:
+                why = (f"out of memory at segment_size 1 on {sorted(excluded)} "
+                       "and no other node matches")
                 self.state.move(t["id"], TrialState.FAILED, why, message=why)
                 self._maybe_done(s["id"])
+                return ""
+            return "no node alive" + (f" matches its placement {placement}" if self.nodes else "")
+        # Whether it fits a node at all is judged on the whole node ...
+        plans = {n.name: self._plan(t, n, knobs) for n in candidates}
+        if not any(p.fits for p in plans.values()):
+            worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
+            why = f"does not fit any node ({worst})"
+            self.state.move(t["id"], TrialState.FAILED, why, message=why)
+            self._maybe_done(s["id"])
+            return ""
+        # ... where it goes now, on what running attempts leave of each (a trial
+        # that ran out of memory sharing a node waits for one to itself).
+        solo = self._shared_oom(t)
+        fitting, short = [], []   # short: free nodes it may use, too small for it now
+        for n in free:
+            if n.name not in plans:
                 continue
-            # ... where it goes now, on what running attempts leave of each (a trial
-            # that ran out of memory sharing a node waits for one to itself).
-            solo = self._shared_oom(t)
-            fitting = []
-            for n in free:
-                if n.name in plans and plans[n.name].fits and not (solo and self.held.get(n.name)):
-                    spare = self.spare(n)
-                    plan = plans[n.name] if spare >= n.memory_gb else self._plan_now(
-                        t, n, knobs, budget_gb=spare)
-                    if plan.fits:
-                        fitting.append((n, plan))
-            if not fitting:
-                continue   # it fits somewhere busy: wait for room there
-            # the least loaded node first (spread, then stack), then the fastest plan; a
-            # trial whose last attempt broke on a node (lost, or its agent failed: a full
-            # disk) goes to another one where it can, or that node takes every retry
-            broke = self._broke_on(t)
-            node, plan = max(fitting, key=lambda np: (np[0].name != broke,
-                                                      -len(self.held.get(np[0].name, {})),
-                                                      np[1].segment_size, -np[0].memory_gb))
-            self.dispatch(t, node, plan, knobs.get("margin", DEFAULT_MARGIN), solo)
-            if not self.takes_work(node):
-                free.remove(node)
-            live += 1
+            if not plans[n.name].fits:
+                short.append(plans[n.name])
+            elif not (solo and self.held.get(n.name)):
+                spare = self.spare(n)
+                plan = plans[n.name] if spare >= n.memory_gb else self._plan_now(
+                    t, n, knobs, budget_gb=spare)
+                if plan.fits:
+                    fitting.append((n, plan))
+                else:
+                    short.append(plan)
+        if not fitting:   # it fits somewhere busy: it waits for room there
+            if short:
+                need = min(p.predicted_gb for p in short) / (1 - margin)
+                return (f"no free node fits (needs {need:.3g} GB, largest free budget "
+                        f"{max(p.budget_gb for p in short):.3g} GB)")
+            if solo and any(n.name in plans for n in free):
+                return "waiting for a node to itself (it ran out of memory sharing one)"
+            why = "waiting for a free node"   # the free ones are nodes it may not use
+            if placement:
+                why += f" matching its placement {placement}"
+            if excluded:
+                why += (f" other than {', '.join(sorted(excluded))} (out of memory at "
+                        "segment_size 1 there)")
+            return why
+        # the least loaded node first (spread, then stack), then the fastest plan; a
+        # trial whose last attempt broke on a node (lost, or its agent failed: a full
+        # disk) goes to another one where it can, or that node takes every retry
+        broke = self._broke_on(t)
+        node, plan = max(fitting, key=lambda np: (np[0].name != broke,
+                                                  -len(self.held.get(np[0].name, {})),
+                                                  np[1].segment_size, -np[0].memory_gb))
+        self.dispatch(t, node, plan, margin, solo)
+        if not self.takes_work(node):
+            free.remove(node)
+        return None
 
     def _broke_on(self, t) -> str | None:
         """The node trial `t`'s last attempt ended on as lost or with its agent failing."""
@@ -520,7 +604,9 @@ class Controller:
             self.state.move_tune_class(tid, cls, to, error=error)
 
     def _plan(self, t, node: NodeInfo, knobs: dict):
-        key = (t["id"], node.name, node.memory_gb, t["max_segment"])
+        # a plan depends on the node only through its class (chip and budget): one per
+        # class, not one per node, or a fleet of N alike nodes plans each trial N times
+        key = (t["id"], node.node_class, node.memory_gb, t["max_segment"])
         if key not in self.plans:
             self.plans[key] = self._plan_now(t, node, knobs)
         return self.plans[key]
@@ -591,6 +677,7 @@ class Controller:
             return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                                   message=line))
         self.inflight[ref] = (aid, tid, node.name)
+        self.live[tid] = t["sweep"]
         self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
 
     # ------------------------------------------------------------ outcomes
@@ -607,6 +694,7 @@ class Controller:
                                   message=r.message, ended=r.ended or self.clock(), peak_gb=peak,
                                   final_loss=r.final_loss, val_loss=r.val_loss,
                                   step=r.steps or a["step"])
+        self.guarded(f"attempt {aid}: its trackers", self.trackers.ended, aid, r.outcome.value)
         self.guarded(f"attempt {aid}: sealing its telemetry (kept for resume)", self._seal, aid)
         t = self.state.trial(tid)
         if t["state"] == TrialState.STOPPED and r.adapter:   # it finished before the stop landed
@@ -731,6 +819,13 @@ def _check_payload(payload: dict) -> None:
             SchedulerSpec.model_validate(payload["spec"]["scheduler"])
     except Exception as e:
         raise ValueError(f"scheduler: {_one_line(e)}") from None
+    sharing = {k: v for k, v in (payload.get("spec") or {}).items()
+               if k in ("priority", "share", "owner")}
+    try:
+        SweepSpec.model_validate({"name": name, **sharing})
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     for t in payload.get("trials", []):
         try:
             JobSpec.model_validate(t["job"])
@@ -810,14 +905,20 @@ class Head:
     its own."""
 
     def __init__(self, root: str):
-        from segctl.node.agent import spawn
-        from segctl.orchestrator.fleet import nodes
-        me = ray.get_runtime_context().current_actor
         self.root = root
-        self.c = Controller(Path(root), list_nodes=nodes, spawn_agent=lambda n: spawn(n, me))
+        self.c = self.controller(Path(root))
         self.stop = threading.Event()
         threading.Thread(target=self.c.run_forever, args=(self.stop,), daemon=True,
                          name="controller").start()
+
+    def controller(self, root: Path) -> Controller:
+        """The controller over the fleet: Ray's node table, an agent actor per node.
+        The one seam of the actor: a simulated fleet (bench/simfleet.py) hands in
+        its own nodes and agents here and runs everything else as it is."""
+        from segctl.node.agent import spawn
+        from segctl.orchestrator.fleet import nodes
+        me = ray.get_runtime_context().current_actor
+        return Controller(root, list_nodes=nodes, spawn_agent=lambda n: spawn(n, me))
 
     def ping(self) -> dict:
         return {"root": self.root, "pid": os.getpid(), "nodes": sorted(self.c.nodes),

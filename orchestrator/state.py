@@ -1,4 +1,5 @@
-"""state.db: sweeps, trials, attempts, tunes and every transition, in SQLite (WAL).
+"""state.db: sweeps, trials, attempts, tunes, every transition and why each pending
+trial waits, in SQLite (WAL).
 
 The head's controller is the only writer; `segctl status/logs/gather` open their
 own read-only State (WAL lets them read while the head writes). Every query is a
@@ -84,7 +85,16 @@ CREATE TABLE rungs (
   PRIMARY KEY (sweep, rung, trial));
 """
 
-MIGRATIONS = [V1, V2, V3]   # MIGRATIONS[n] takes a file from version n to n + 1
+# Version 4: why each pending trial of a running sweep is not placed yet, as the head
+# found it at its last placement (`segctl status` shows it); a trial's row goes when it
+# is placed or ends.
+V4 = """
+CREATE TABLE waiting (
+  trial TEXT PRIMARY KEY REFERENCES trials(id), sweep TEXT NOT NULL REFERENCES sweeps(id),
+  reason TEXT NOT NULL, since REAL NOT NULL);   -- since: when the head first gave this reason
+"""
+
+MIGRATIONS = [V1, V2, V3, V4]   # MIGRATIONS[n] takes a file from version n to n + 1
 LATEST = len(MIGRATIONS)
 
 # The columns each reader gets, by name: no caller depends on the tables' order.
@@ -239,6 +249,7 @@ class State:
     def __init__(self, path: Path, clock=time.time, *, readonly: bool = False):
         self.path = Path(path)
         self.con = connect(self.path, readonly=readonly)
+        self.version = version(self.con, self.path)   # below LATEST: an older file, read only
         self.lock = threading.RLock()
         self.clock = clock
 
@@ -442,6 +453,28 @@ class State:
                 self._move(con, tid, TrialState.STOPPED, stop, attempt, {"message": stop})
             return True
 
+    # -------------------------------------------------------------- why trials wait
+    def note_waiting(self, reasons: dict[str, tuple[str, str]], gone: Iterable[str]) -> None:
+        """Record why pending trials wait (trial -> (sweep, reason); a new reason starts
+        its `since`) and forget the trials in `gone`, in one transaction."""
+        now = self.clock()
+        with self.tx() as con:
+            con.executemany("DELETE FROM waiting WHERE trial = ?", [(t,) for t in gone])
+            con.executemany(
+                "INSERT INTO waiting (trial, sweep, reason, since) VALUES (?,?,?,?) ON CONFLICT"
+                " (trial) DO UPDATE SET reason = excluded.reason, since = excluded.since",
+                [(t, sid, why, now) for t, (sid, why) in reasons.items()])
+
+    def waiting(self, sid: str | None = None) -> dict[str, str]:
+        """trial -> why it waits, as the head last recorded it (of sweep `sid`, or all); a
+        file from before version 4 (read only) has none."""
+        if self.version < 4:
+            return {}
+        if sid is None:
+            return {r["trial"]: r["reason"] for r in self.q("SELECT trial, reason FROM waiting")}
+        return {r["trial"]: r["reason"] for r in self.q(
+            "SELECT trial, reason FROM waiting WHERE sweep = ?", (sid,))}
+
     # -------------------------------------------------------------- events, status
     def events(self, after: int = 0, *, sweep: str | None = None,
                trial: str | None = None) -> list[dict]:
@@ -458,19 +491,33 @@ class State:
             raise KeyError(f"no sweep named {sid!r}")
         out = []
         for s in sweeps:
-            trials = []
-            for t in self.trials(s["id"]):
+            trials, waiting = [], self.waiting(s["id"])
+            spec = json.loads(s["spec"])
+            # two queries per sweep, not one per trial (a sweep has up to MAX_TRIALS)
+            by_trial: dict[str, list] = {}
+            for a in self.q(f"SELECT {ATTEMPT} FROM attempts WHERE sweep = ? ORDER BY id",
+                            (s["id"],)):
+                by_trial.setdefault(a["trial"], []).append(a)
+            for t in self.q("SELECT id, state, params, message, final_loss, val_loss FROM trials"
+                            " WHERE sweep = ? ORDER BY idx", (s["id"],)):
                 attempts = [dict(attempt=a["id"], attempt_no=a["attempt_no"], node=a["node"],
                                  segment_size=a["segment_size"], predicted_gb=a["predicted_gb"],
                                  status=a["status"], outcome=a["outcome"], message=a["message"],
                                  step=a["step"], loss=a["loss"], peak_gb=a["peak_gb"],
                                  resume_step=a["resume_step"], dispatch_s=a["dispatch_s"],
                                  started=a["started"], ended=a["ended"])
-                            for a in self.attempts(t["id"])]
+                            for a in by_trial.get(t["id"], [])]
+                why = None
+                if t["state"] == TrialState.PENDING:   # the head places none of a held sweep
+                    why = (f"the head restarted: `segctl resume {s['id']}` continues this sweep"
+                           if s["state"] == SweepState.INTERRUPTED else waiting.get(t["id"]))
                 trials.append(dict(trial=t["id"], state=t["state"], params=json.loads(t["params"]),
                                    message=t["message"], final_loss=t["final_loss"],
-                                   val_loss=t["val_loss"], attempts=attempts))
+                                   val_loss=t["val_loss"], pending_reason=why,
+                                   attempts=attempts))
+            # owner and share live in the sweep's spec (a sweep from before them: '' and 1)
             out.append(dict(sweep=s["id"], name=s["name"], state=s["state"], priority=s["priority"],
+                            share=spec.get("share", 1.0), owner=spec.get("owner", ""),
                             created=s["created"], ended=s["ended"], trials=trials))
         return out
 

@@ -25,8 +25,9 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 # (test_head_isolation, test_controller), a CLI run whose adapter mlx-lm loads
 # (test_qlora, test_stores). `make test` runs everything.
 FLEET_MODULES = {"test_fleet.py", "test_fleet_e2e.py", "test_tune_fleet.py", "test_embedded.py",
-                 "test_asha_fleet.py"}
-SLOW_MODULES = {"test_families.py"}
+                 "test_asha_fleet.py", "test_scale.py"}
+SLOW_MODULES = {"test_families.py",
+                "test_report.py"}   # one real 4-trial sweep (6 engine processes), ~35 s
 SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle cores
     "test_long.py::test_mlp_chunks_bound_the_layer_and_offload_the_boundaries",   # 13 s
     "test_train_cli.py::test_demo_trains_and_adapter_loads_in_mlx_lm",            # 8 s
@@ -46,10 +47,12 @@ SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle
     "test_dpo.py::test_segctl_trains_a_dpo_job",                                # 5 s
     "test_memory.py::test_segment_size_one_peaks_below_plain_and_checkpoint",   # 4 s
     "test_gemma4_model.py::test_init_demo_gemma4_orpo",                         # 3 s
+    "test_trackers.py::test_a_sweep_streams_one_run_per_trial_grouped_per_sweep",  # 2 engine runs
 }
 # Tests that use these fixtures (test_measured's `probed`: the demo probed at every
 # grid point in fresh processes, 7 s) are slow with them.
-SLOW_FIXTURES = {"probed"}
+SLOW_FIXTURES = {"probed",
+                 "tracked"}   # test_trackers: one `segctl train` streaming to the trackers
 
 
 def pytest_collection_modifyitems(items):
