@@ -236,7 +236,16 @@ def start_worker(args: list[str], cwd: Path, running: Running, python: str):
 def _popen(python: str, args: list[str], cwd: Path | None) -> subprocess.Popen:
     # umask 077: what the engine writes (checkpoints, the adapter) is the user's alone
     return subprocess.Popen([python, "-m", "segctl.node.worker", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, umask=0o077)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, umask=0o077,
+                            env=engine_env())
+
+
+def engine_env() -> dict[str, str]:
+    """The agent's environment less Ray's credentials: the agent is a Ray worker,
+    and Ray may hand its workers the fleet's token in their environment. The
+    engine never talks to Ray, and a process's environment is readable by
+    whoever can read its /proc entry."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
 
 
 class Spares:
@@ -292,7 +301,7 @@ class Spares:
 def _key(python: str) -> tuple:
     """A spare serves an attempt of the same interpreter and environment only (the
     environment is the process's from its start)."""
-    return python, tuple(sorted(os.environ.items()))
+    return python, tuple(sorted(engine_env().items()))
 
 
 def _reap(proc: subprocess.Popen) -> None:

@@ -40,6 +40,8 @@ HEAD_RESOURCE = "segctl_head"
 NODE_RESOURCE = "segctl_node:"   # + name
 LABEL = "segctl."                # prefix of the labels segctl sets itself
 START_TIMEOUT_S = 60
+RAY_START = "segctl.node.raystart"   # `ray start` less Ray Client (node/raystart.py)
+RAY_STARTS = (RAY_START, "ray.scripts.scripts")   # ours, and Ray's own as fleets before it ran
 # Nodes sharing one machine (local nodes of a cluster file) each get a small
 # object store: segctl moves adapters and checkpoints through it, not datasets.
 LOCAL_OBJECT_STORE_MB = 512
@@ -186,7 +188,7 @@ def is_ours(pid: int, started: str | None) -> bool:
         return start_time(pid) == started
     cmd = subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(pid)],   # -ww: never cut
                          capture_output=True, text=True).stdout
-    return "ray.scripts.scripts start" in cmd and "--block" in cmd
+    return any(f"{m} start" in cmd for m in RAY_STARTS) and "--block" in cmd
 
 
 def start_time(pid: int, *, platform: str = sys.platform, run=subprocess.run) -> str | None:
@@ -249,7 +251,7 @@ def start_command(args: list[str], resources: dict, labels: dict, hw: Hardware,
     the address Ray advertises for this node on Linux (macOS: always `hw.ip`);
     None lets Ray pick, which on a machine of several networks is whichever
     faces the default route, not necessarily the one the fleet shares."""
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--block",
+    cmd = [sys.executable, "-m", RAY_START, "start", *args, "--block",
            # segctl's actors take no CPU slot (training runs in its own process); one
            # slot keeps Ray from pre-starting workers that eat a Mac's memory
            "--num-cpus", "1",
@@ -484,7 +486,7 @@ def _ray_start_above(pid: int) -> int:
     while parent and parent > 1:
         cmd = subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(parent)],
                              capture_output=True, text=True).stdout
-        if "ray.scripts.scripts start" in cmd or "ray start" in cmd:
+        if any(f"{m} start" in cmd for m in RAY_STARTS) or "ray start" in cmd:
             return parent
         parent = _parent(parent)
     return first or pid
