@@ -60,8 +60,9 @@ demo: install
 	  echo "telemetry: $(DEMO)/home/telemetry/ (Parquet by sweep), $(DEMO)/home/memory.zarr, $(DEMO)/home/state.db"; \
 	  exit $$rc
 
+# The lab's fault scenarios (mostly waiting) run beside the rest: tests/run.sh.
 test: install
-	$(RUN) $(BIN)/python -m pytest -q
+	$(RUN) bash tests/run.sh $(BIN)/python
 
 # The inner loop: everything but Ray fleets, the lab and the model-family walk.
 test-fast: install

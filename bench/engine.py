@@ -144,6 +144,8 @@ def run(args) -> dict:
     else:
         seg = 0 if args.mode in ("plain", "checkpoint") else args.segment_size
         parts = model_parts(model, check=False)
+        if not args.rows:  # every layer the way it ran before row chunks (A/B)
+            parts.rowwise = None
         ex = pair if orpo else Example(ids, prompt_len)
         state = [model.state, opt.state]
 
@@ -189,6 +191,7 @@ def run(args) -> dict:
         "attn_block": args.attn_block if args.mode == "segmented" else None,
         "mlp_chunk": (args.mlp_chunk or None) if args.impl == "segctl" else None,
         "offload": (args.offload or None) if args.impl == "segctl" else None,
+        "rows": sum(parts.rowwise or []) if args.impl == "segctl" and args.mlp_chunk else None,
         "peak_gb": round(max(peaks), 4),
         "tokens_per_gb": round(args.seq / max(peaks)) if max(peaks) > 0 else None,
         "step_s": round(statistics.median(times[1:] if len(times) > 1 else times), 4),
@@ -274,6 +277,9 @@ def parse(argv=None):
                    help="segctl: MLP in chunks of this many rows (0 = off; passed only when set)")
     p.add_argument("--offload", default=None, metavar="DIR",
                    help="segctl: offload boundary activations to DIR (passed only when set)")
+    p.add_argument("--rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="segctl: with --mlp-chunk, run the layers that may rows apart, a chunk at "
+                        "a time (engine/rows.py); --no-rows keeps every layer's light parts whole")
     p.add_argument("--phases", action="store_true", help="add per-phase peaks (segctl only)")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
     return p.parse_args(argv)

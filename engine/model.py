@@ -60,6 +60,7 @@ class ModelParts:
     prefix: str = "model.layers"                # the layers' parameter names start so
     block_masks: list[bool] | None = None       # per layer: attention takes a BlockMask
     tokenwise: list[list[str]] | None = None    # per layer: its token-wise children (engine/layer.py)
+    rowwise: list[bool] | None = None           # per layer: may run rows apart (engine/rows.py)
 
 
 def load_model(path: str | Path):
@@ -166,6 +167,7 @@ def model_parts(model: nn.Module, *, name: str = "model", check: bool = True,
     if run_layers:  # not on a model built from config.json alone (check_family)
         parts.block_masks = _block_mask_layers(parts, inner.embed_tokens.weight.shape[0])
         parts.tokenwise = _tokenwise_layers(parts, inner.embed_tokens.weight.shape[0])
+        parts.rowwise = _rowwise_layers(parts)
     if check:
         _check_parts(model, parts, name, mtype, length, inner.embed_tokens.weight.shape[0])
     return parts
@@ -333,6 +335,31 @@ def _tokenwise_layers(parts: ModelParts, vocab: int) -> list[list[str]]:
                                   extra, None)[0]
             verdict[kind] = [] if parts.donors[i] is not None else \
                 tokenwise_children(layer, run_layer, dim)
+        out.append(verdict[kind])
+    return out
+
+
+def _rowwise_layers(parts: ModelParts) -> list[bool]:
+    """Per layer, whether engine/rows.py may run it a chunk of rows at a time: no
+    K/V from another layer, no per-layer inputs, and the same output and gradients
+    cut as whole under each mask kind the step gives it; checked once per layer class."""
+    from .attention import BlockMask
+    from .rows import rowwise
+
+    h0 = parts.embed(mx.array([[1]]))
+    dim, dtype = h0.shape[-1], h0.dtype
+    extras = parts.layer_inputs(mx.array([[1] * 6]), mx.zeros((1, 6, dim), dtype))
+    verdict: dict[type, bool] = {}
+    out = []
+    for i, layer in enumerate(parts.layers):
+        kind = type(layer)
+        if parts.donors[i] is not None or extras[i] is not None:
+            out.append(False)
+            continue
+        if kind not in verdict:
+            masks = ("causal", BlockMask(rows=2)) if parts.block_masks[i] else ("causal",)
+            verdict[kind] = rowwise(layer, lambda h, m, i=i: parts.call(i, h, m)[0], dim, dtype,
+                                    masks)
         out.append(verdict[kind])
     return out
 

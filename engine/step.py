@@ -48,6 +48,7 @@ from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
+from . import rows
 from .layer import eager, layer_vjp
 from .offload import Boundaries
 from .data import Example, PreferenceExample
@@ -331,41 +332,21 @@ def adapter_off(model: nn.Module):
 
 # ---------------------------------------------------------------- positions and masks
 
-class _RunRope(nn.Module):
-    """A layer's RoPE applied run by run: positions restart where a run says."""
-
-    def __init__(self, rope, runs):
-        super().__init__()
-        # Held as a bound method, not a child module, so the layer's parameter
-        # tree is the same with the wrapper in place.
-        self._rope = rope.__call__
-        self._runs = runs
-
-    def __call__(self, x, offset=0):
-        return mx.concatenate([self._rope(x[..., a:b, :], offset=offset + p)
-                               for a, b, p in self._runs], axis=-2)
-
-
-def _ropes(layer) -> list:
-    """The modules of a layer that hold its RoPE as `rope`."""
-    return [m for _, m in layer.named_modules() if isinstance(m.get("rope"), nn.Module)]
-
-
 def _has_rope(parts) -> bool:
     # Positions are set through each attention's `rope`; a family that keeps its
     # RoPE elsewhere cannot restart the rejected response, so it runs two-branch.
-    return all(_ropes(layer) for layer in parts.layers)
+    return all(rows.ropes(layer) for layer in parts.layers)
 
 
 @contextmanager
 def _positions(parts, stream: Stream):
     """Within the block, the layers run as `_embed`'s masks need: attention takes
     `BlockMask`s, and a prefix-shared stream's ropes run run by run."""
-    holders = [m for layer in parts.layers for m in _ropes(layer)] if stream.runs else []
+    holders = [m for layer in parts.layers for m in rows.ropes(layer)] if stream.runs else []
     saved = [m["rope"] for m in holders]
     try:
         for m, rope in zip(holders, saved):
-            m.rope = _RunRope(rope, stream.runs)
+            m.rope = rows.RunRope(rope.__call__, stream.runs)
         with swapped_sdpa(parts.layers, block_mask_sdpa):
             yield
     finally:
@@ -411,20 +392,35 @@ def _masks(parts, stream: Stream, n: int, own: list, rows: int = 0) -> list:
     return out
 
 
-def _run(parts, lo, hi, h, masks, extras, kv_in, seed):
+def _run(parts, lo, hi, h, masks, extras, kv_in, seed, chunk: int = 0):
     """Layers [lo, hi) on h; returns (h, {donor: (K, V)} for the donors among them).
     Layer i runs under seed+i (here and in every recompute), so LoRA dropout draws
-    the same masks in each pass."""
+    the same masks in each pass. `chunk` > 0 (outside any transform): a layer
+    that may runs `chunk` rows at a time (engine/rows.py)."""
     kv = dict(kv_in)
     produced = {}
     for i in range(lo, hi):
         if seed is not None:
             mx.random.seed(seed + i)
+        if _by_rows(parts, i, masks[i], h, chunk):
+            h = rows.forward(parts.layers[i], _caller(parts, i), h, masks[i], chunk)
+            continue
         d = parts.donors[i]
         h, out = parts.call(i, h, masks[i], extras[i], kv[d] if d is not None else None)
         if i in parts.donors:
             kv[i] = produced[i] = out
     return h, produced
+
+
+def _by_rows(parts, i, mask, h, chunk) -> bool:
+    """Whether layer i runs rows apart here: it passed the check at load, no later
+    layer reads its K/V, and the row is longer than a chunk."""
+    return bool(chunk and parts.rowwise and parts.rowwise[i] and i not in parts.donors
+                and h.shape[1] > chunk and rows.usable(parts.layers[i], mask))
+
+
+def _caller(parts, i):
+    return lambda h, mask: parts.call(i, h, mask)[0]
 
 
 # ---------------------------------------------------------------- plain / checkpoint
@@ -565,7 +561,7 @@ def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forwa
     for k, (lo, hi) in enumerate(segments):
         h_in = h
         with eager(parts.layers, parts.tokenwise or [], chunk):
-            h, produced = _run(parts, lo, hi, h_in, masks, extras, fwd.kv, seed)
+            h, produced = _run(parts, lo, hi, h_in, masks, extras, fwd.kv, seed, chunk)
         for d in _exports(parts, lo, hi):
             fwd.kv[d] = produced[d]
         mx.eval(h, fwd.kv)
@@ -653,7 +649,8 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
             xs, kv = [h_in], dict(fwd.kv)
             for i in range(lo, hi - 1):
                 with eager(parts.layers, parts.tokenwise or [], chunk):
-                    h, produced = _run(parts, i, i + 1, xs[-1], fwd.masks, fwd.extras, kv, seed)
+                    h, produced = _run(parts, i, i + 1, xs[-1], fwd.masks, fwd.extras, kv, seed,
+                                       chunk)
                 kv.update(produced)
                 mx.eval(h, produced)
                 xs.append(h)
@@ -680,6 +677,14 @@ def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block,
         h, produced = _run(parts, lo, hi, x, fwd.masks, fwd.extras, kv_in, seed)
         return [h, *[t for d in exports for t in produced[d]]]
 
+    if hi == lo + 1 and not imports and not exports and \
+            _by_rows(parts, lo, fwd.masks[lo], h_in, chunk):
+        if seed is not None:
+            mx.random.seed(seed + lo)
+        dx, dps = rows.vjp(parts.layers[lo], _caller(parts, lo), h_in, fwd.masks[lo], dh,
+                           [local for _, _, local, _ in seg], values, chunk, block)
+        _add_grads(grads, seg, dps)
+        return dx
     primals = [h_in, *[t for d in imports for t in kv[d]], *values]
     cotangents = [dh, *[t for d in exports for t in dkv.pop(d)]]
     if block or chunk:
@@ -691,9 +696,13 @@ def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block,
     for a, d in enumerate(imports):
         got = (cots[1 + 2 * a], cots[2 + 2 * a])
         dkv[d] = got if d not in dkv else (dkv[d][0] + got[0], dkv[d][1] + got[1])
-    for (name, _, _, _), g in zip(seg, cots[1 + n_in:]):
-        grads[name] = grads[name] + g if name in grads else g
+    _add_grads(grads, seg, cots[1 + n_in:])
     return cots[0]
+
+
+def _add_grads(grads, seg, values):
+    for (name, _, _, _), g in zip(seg, values):
+        grads[name] = grads[name] + g if name in grads else g
 
 
 def _trainable_names(model) -> list[str]:

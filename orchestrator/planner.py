@@ -31,6 +31,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from segctl.schemas.families import ROWWISE_FAMILIES
 from segctl.schemas.defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN,
                               DEFAULT_MLP_CHUNK)
 from segctl.schemas.job import JobSpec
@@ -208,8 +209,9 @@ def method_key(job: JobSpec) -> str:
 def predict_gb(info: ModelInfo, *, seq_len: int, segment_size: int, lora_rank: int = 8,
                lora_layers: int = -1, head_chunk: int = DEFAULT_HEAD_CHUNK, attn_block: int = DEFAULT_ATTN_BLOCK,
                grad_checkpoint: bool = False, method: str = "sft", mlp_chunk: int = DEFAULT_MLP_CHUNK,
-               offload: bool = False) -> float:
-    """Predicted peak GB of one training step on rows of up to `seq_len` tokens.
+               offload: bool = False, dropout: float = 0.0) -> float:
+    """Predicted peak GB of one training step on rows of up to `seq_len` tokens
+    (`dropout`: the LoRA dropout, under which no layer runs rows apart).
 
     Two maxima keep the answer usable for planning: a data set's longest row is
     `seq_len` but its other rows are shorter, and a row just short enough to
@@ -222,7 +224,8 @@ def predict_gb(info: ModelInfo, *, seq_len: int, segment_size: int, lora_rank: i
     if segment_size < 0:
         raise ValueError(f"segment_size must be >= 0, got {segment_size}")
     return _curve(info, seq_len, min(segment_size, info.n_layers), lora_rank, lora_layers,
-                  head_chunk, attn_block, grad_checkpoint, method, mlp_chunk, offload)[-1]
+                  head_chunk, attn_block, grad_checkpoint, method, mlp_chunk, offload,
+                  dropout == 0)[-1]
 
 
 def offload_seconds(info: ModelInfo, *, seq_len: int, segment_size: int,
@@ -238,7 +241,8 @@ def offload_seconds(info: ModelInfo, *, seq_len: int, segment_size: int,
 
 def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers: int,
            head_chunk: int, attn_block: int, grad_checkpoint: bool, method: str,
-           mlp_chunk: int = DEFAULT_MLP_CHUNK, offload: bool = False) -> list[float]:
+           mlp_chunk: int = DEFAULT_MLP_CHUNK, offload: bool = False,
+           rows: bool = True) -> list[float]:
     """Predicted GB for segment sizes 1..top (index s-1), each at least the one
     before; [plain] when top is 0."""
     streams = {"sft": 1, "orpo-shared": 1, "orpo": 2, "dpo-shared": 1, "dpo": 2}.get(method)
@@ -255,7 +259,7 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
 
     def worst(s):
         return max(_peak_bytes(info, L, s, lora_rank, n_lora, head_chunk, attn_block,
-                               grad_checkpoint, streams, mlp_chunk, offload)
+                               grad_checkpoint, streams, mlp_chunk, offload, rows)
                    for L in lengths) / GB
 
     if top == 0:
@@ -284,8 +288,9 @@ def _lora_params(info: ModelInfo, rank: int, n_layers: int) -> int:
 
 def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_chunk: int,
                 attn_block: int, grad_checkpoint: bool, streams: int = 1,
-                mlp_chunk: int = 0, offload: bool = False) -> float:
-    """Peak bytes of one step on a row of L tokens at segment size s (0: plain).
+                mlp_chunk: int = 0, offload: bool = False, rows: bool = True) -> float:
+    """Peak bytes of one step on a row of L tokens at segment size s (0: plain);
+    `rows`: a family of ROWWISE_FAMILIES runs its layers rows apart.
 
     ORPO two-branch (streams 2) keeps both branches' boundaries, dh and head
     gradients through the step (plain: both forwards' activations), with each
@@ -345,7 +350,23 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         mlp = 4 * info.intermediate * a
         width = width - L * mlp + mlp_chunk * mlp + STORED_OPS * hidden_state
         layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * scores
-    if pieces:
+    if pieces and rows and info.model_type in ROWWISE_FAMILIES and 0 < mlp_chunk < L:
+        # engine/rows.py: every row-wise op of the layer (norms, projections and
+        # their LoRA, RoPE, residuals, the MLP) runs mlp_chunk rows at a time; only
+        # q, k, v, the attention output, their gradients (dk, dv summed in fp32),
+        # the layer's input and its input gradient are whole-row.
+        qo = L * info.heads * info.head_dim * a
+        kv = L * info.kv_heads * info.head_dim
+        chunk_width = mlp_chunk * _layer_width(info) * a
+        if 0 < attn_block < L - 1:
+            block = BLOCK_SCORES * info.heads * attn_block * L * a
+        else:
+            block = (SAVED_SCORES + BACKWARD_SCORES) * scores
+        layer_forward = (2 * (qo + 2 * kv * a) + qo + hidden_state
+                         + TRANSIENT_WIDTH * chunk_width + min(block, FORWARD_SCORES * scores))
+        segment = (s * hidden_state + hidden_state + 4 * qo + 2 * kv * (a + F32)
+                   + (SAVED_WIDTH + TRANSIENT_WIDTH) * chunk_width + block)
+    elif pieces:
         # A layer's backward in pieces (blocked attention, MLP chunks): the segment's
         # layer inputs are kept, then one layer at a time runs its passes with
         # attention's q, k, v, dO recorded (and
@@ -418,7 +439,8 @@ def _plan(info: ModelInfo, job: JobSpec, *, seq_len: int, budget_gb: float,
         if use is None:
             return [scale * gb for gb in _curve(
                 info, seq_len, top, job.lora.rank, job.lora.num_layers, mem.head_chunk,
-                mem.attn_block, mem.grad_checkpoint, method_key(job), mem.mlp_chunk, offload)]
+                mem.attn_block, mem.grad_checkpoint, method_key(job), mem.mlp_chunk, offload,
+                job.lora.dropout == 0)]
         out: list[float] = []
         for size in range(1, max(top, 1) + 1):
             out.append(max(use.predict(seq_len, size) + _lora_delta_gb(info, job, use),

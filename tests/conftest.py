@@ -30,6 +30,7 @@ SLOW_MODULES = {"test_families.py",
                 "test_report.py"}   # one real 4-trial sweep (6 engine processes), ~35 s
 SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle cores
     "test_long.py::test_mlp_chunks_bound_the_layer_and_offload_the_boundaries",   # 13 s
+    "test_long.py::test_layers_run_rows_apart_hold_less_and_step_the_same",     # 10 s
     "test_train_cli.py::test_demo_trains_and_adapter_loads_in_mlx_lm",            # 8 s
     "test_orpo.py::test_segctl_trains_the_orpo_demo",                             # 7 s
     "test_hygiene.py::test_attempt_folders_do_not_pile_up_on_a_node",             # 6 s

@@ -17,6 +17,7 @@ import pytest
 
 from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import ModelError, check_length, model_parts
+from segctl.schemas.families import ROWWISE_FAMILIES
 from tests.zoo import families, tiny_model
 from tests.conftest import WIDE, random_lora
 
@@ -59,6 +60,8 @@ def test_family_trains_exactly_or_is_refused(family):
     except ModelError as e:
         assert "\n" not in str(e) and str(e).startswith(f"{family}: ")
         return
+    # The planner's list of row-wise families is the engine's verdict on each.
+    assert all(parts.rowwise) == (family in ROWWISE_FAMILIES), (family, parts.rowwise)
     _lora(model, family)
     n = check_length(getattr(model, "language_model", model)) + 2 * BLOCK + 3      # past every window, several blocks
     vocab = _vocab(model)

@@ -3,11 +3,13 @@ exact, take less memory, and leave nothing behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models.base import scaled_dot_product_attention
 
 from segctl.engine import Example, PreferenceExample, loss_and_grads
 from segctl.engine.layer import tokenwise_children
@@ -97,6 +99,60 @@ def test_mlp_chunks_bound_the_layer_and_offload_the_boundaries(tmp_path):
     # the one still being written)
     growth = lambda p: p["fwd11"] - p["fwd1"]
     assert growth(cut) > 8 and growth(disk) < 2, (cut, disk)   # < 2: the one being written
+
+
+def test_layers_run_rows_apart_hold_less_and_step_the_same():
+    """engine/rows.py: a layer's light parts (norms, projections and their LoRA,
+    RoPE, residuals) run a chunk of rows at a time beside the MLP, attention
+    whole-row in blocks. Against the same step with them whole (`rowwise` off),
+    the forward and the backward hold less, and loss and gradients are the same."""
+    from bench.engine import bench_model
+    model = bench_model("llama", 2, 512, 512, "float32")
+    mx.random.seed(0)
+    random_lora(model)
+    ex = Example(mx.random.randint(1, 512, (1024,), key=mx.random.key(1)).tolist(), 512)
+    parts = model_parts(model, check=False)
+    assert parts.rowwise == [True, True]
+    whole = dataclasses.replace(parts, rowwise=None)
+    base = dict(segment_size=1, attn_block=64, mlp_chunk=128)
+    cut, kept = _phase_peaks(model, ex, parts=parts, **base), _phase_peaks(model, ex, parts=whole,
+                                                                            **base)
+    fwd = lambda p: max(v for k, v in p.items() if k.startswith("fwd"))
+    bwd = lambda p: max(v for k, v in p.items() if k.startswith("bwd"))
+    assert fwd(cut) < 0.8 * fwd(kept) and bwd(cut) < 0.8 * bwd(kept), (cut, kept)
+    loss, grads = loss_and_grads(model, ex, parts=parts, **base)
+    loss0, ref = loss_and_grads(model, ex, segment_size=0)
+    assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
+    assert worst_rel_error(grads, ref) <= TOL
+
+
+class _OneHead(nn.Module):
+    """A decoder layer with one head of attention through mlx-lm's sdpa, RoPE as
+    `self.rope`, and optionally something that is not row-wise besides."""
+
+    def __init__(self, dim, twist=None):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.rope = nn.RoPE(dim)
+        self.twist = twist
+
+    def __call__(self, x, mask=None, cache=None):
+        q, k, v = (self.rope(f(x))[:, None] if f is not self.v else f(x)[:, None]
+                   for f in (self.q, self.k, self.v))
+        out = x + self.o(scaled_dot_product_attention(q, k, v, cache=cache, scale=0.1,
+                                                      mask=mask)[:, 0])
+        return self.twist(out) if self.twist else out
+
+
+def test_a_layer_runs_rows_apart_only_if_cut_equals_whole():
+    from segctl.engine.rows import rowwise
+    ok = _OneHead(16)
+    assert rowwise(ok, lambda h, m: ok(h, m), 16, mx.float32)
+    # rows mixed outside attention, positions not through `rope`: refused
+    for twist in (lambda y: mx.cumsum(y, axis=1),
+                  lambda y: y + mx.arange(y.shape[1])[None, :, None]):
+        bad = _OneHead(16, twist)
+        assert not rowwise(bad, lambda h, m: bad(h, m), 16, mx.float32)
 
 
 class _Mixer(nn.Module):

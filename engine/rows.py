@@ -1,0 +1,250 @@
+"""A decoder layer run a chunk of rows at a time, its attention over the whole row.
+
+At long context a layer's memory is its whole-row work. engine/layer.py cuts
+the two heavy ops (attention, the MLP) into pieces, but the rest of the layer
+(norms, q/k/v/o projections with their LoRA, RoPE, residuals) still runs on
+the whole row, and inside a vjp each of those ~30 [L, dim] arrays is alive at
+once: 128K tokens of an 8B shape is ~1 GB per array. Yet every one of those
+ops is a function of its own row: only attention mixes rows. So a layer is
+
+    (q, k, v) = P(h)        rows apart: norm, projections, RoPE at the row's position
+    o = attention(q, k, v)  the whole row, in blocks of query rows
+    out = Q(h, o)           rows apart: o's projection, residuals, the MLP
+
+and P and Q are the layer's own code, run on rows [a, b) with mlx-lm's
+`scaled_dot_product_attention` swapped for a stand-in: while P runs it takes
+the chunk's q, k, v (and the layer's output is thrown away); while Q runs it
+hands back o's rows [a, b). RoPE sees the chunk's absolute positions through
+the attention's `rope` (`RunRope`). The backward is the same three in reverse:
+Q's vjp per chunk (d h, d o, d parameters), attention's blocked backward
+(dq, dk, dv), P's vjp per chunk (d h, d parameters). Nothing larger than q, k,
+v, o, their gradients and the layer's input and output gradient is ever whole.
+
+That a layer may be cut so is not assumed from its class: `rowwise` runs one
+on a few rows whole and cut, forward and backward, and only a layer that gives
+the same is cut (once per layer class, at load). A layer whose attention is
+not one sdpa call of mlx-lm's (hand-written scores, attention sinks, K/V from
+another layer, per-layer inputs) or whose LoRA dropout is on keeps
+engine/layer.py's way.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import attention
+from .layer import _dropout_off
+
+
+class RunRope(nn.Module):
+    """A layer's RoPE applied run by run from row `start` on: rows [a, b) of a run
+    (a, b, p) sit at positions p, p + 1, ... (prefix-shared ORPO restarts the
+    rejected rows at the prompt's end). No runs: row r is position r."""
+
+    def __init__(self, rope, runs=None, start: int = 0):
+        super().__init__()
+        # Held as a bound method, not a child module, so the layer's parameter
+        # tree is the same with the wrapper in place.
+        self._rope = rope
+        self._runs = runs
+        self._start = start
+
+    def __call__(self, x, offset=0):
+        n, s = x.shape[-2], self._start
+        if not self._runs:
+            return self._rope(x, offset=offset + s)
+        pieces = []
+        for a, b, p in self._runs:
+            lo, hi = max(a, s), min(b, s + n)
+            if lo < hi:
+                pieces.append(self._rope(x[..., lo - s:hi - s, :], offset=offset + p + lo - a))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
+
+
+def ropes(layer) -> list:
+    """The modules of a layer that hold its RoPE as `rope`."""
+    return [m for _, m in layer.named_modules() if isinstance(m.get("rope"), nn.Module)]
+
+
+class _NotRowwise(Exception):
+    pass
+
+
+class _Attn:
+    """The stand-in for a layer's one attention call while a chunk of rows runs."""
+
+    def __init__(self, out=None):
+        self.out = out       # o's rows for this chunk (Q), or None (P: take q, k, v)
+        self.taken = None    # (q, k, v) of the chunk
+        self.scale = None
+        self.mask = None
+        self.calls = 0
+
+    def make(self, original):
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            self.calls += 1
+            if cache is not None or sinks is not None or self.calls > 1:
+                raise _NotRowwise("attention with a cache, sinks or more than one call")
+            self.taken, self.scale, self.mask = (queries, keys, values), scale, mask
+            return queries if self.out is None else self.out
+        return sdpa
+
+
+@contextmanager
+def _chunk(layer, start: int, attn: _Attn):
+    """Within the block, `layer` runs rows from `start`: its ropes at their positions,
+    its attention through `attn`."""
+    holders = ropes(layer)
+    saved = [m["rope"] for m in holders]
+    try:
+        for m, rope in zip(holders, saved):
+            base, runs = (rope._rope, rope._runs) if isinstance(rope, RunRope) else \
+                (rope.__call__, None)
+            m.rope = RunRope(base, runs, start)
+        with attention.swapped_sdpa([layer], attn.make):
+            yield attn
+    finally:
+        for m, rope in zip(holders, saved):
+            m.rope = rope
+
+
+def _spans(n: int, chunk: int):
+    return [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+
+
+def _qkv(layer, call, h, mask, chunk):
+    """(q, k, v, scale, mask the layer gives its attention) over the whole row, P
+    run a chunk at a time outside any transform."""
+    parts, attn = [], None
+    for a, b in _spans(h.shape[1], chunk):
+        with _chunk(layer, a, _Attn()) as attn:
+            call(h[:, a:b], mask)
+        if attn.taken is None or not (attn.mask is mask or (
+                isinstance(mask, str) and attn.mask == mask)):
+            raise _NotRowwise("no attention call, or not under the layer's own mask")
+        mx.eval(attn.taken)
+        parts.append(attn.taken)
+    q, k, v = (mx.concatenate([p[j] for p in parts], axis=2) for j in range(3))
+    return q, k, v, attn.scale, mask
+
+
+def forward(layer, call, h, mask, chunk: int) -> mx.array:
+    """call(h, mask) (the layer's output) with every row-wise op `chunk` rows at a
+    time and attention as its mask blocks it; outside any transform."""
+    q, k, v, scale, amask = _qkv(layer, call, h, mask, chunk)
+    with attention.eager_blocks():
+        o = attention.attend(q, k, v, scale, amask)
+    mx.eval(o)
+    del q, k, v
+    outs = []
+    for a, b in _spans(h.shape[1], chunk):
+        with _chunk(layer, a, _Attn(o[:, :, a:b])):
+            outs.append(call(h[:, a:b], mask))
+        mx.eval(outs[-1])
+    return mx.concatenate(outs, axis=1)
+
+
+def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
+        block: int) -> tuple:
+    """(d h, [d p for p in values]) of call(h, mask) with cotangent d_out, where
+    `values` are the layer's trainable parameters `names`; in chunks and blocks
+    as `forward`. The layer's parameters are `values` again on return."""
+    n = h.shape[1]
+    q, k, v, scale, amask = _qkv(layer, call, h, mask, chunk)
+    with attention.eager_blocks():
+        o = attention.attend(q, k, v, scale, amask)
+    mx.eval(o)
+
+    def with_params(p):
+        layer.update(tree_unflatten(list(zip(names, p))))
+
+    acc = None
+
+    def add(dp):
+        nonlocal acc
+        acc = list(dp) if acc is None else [s + g for s, g in zip(acc, dp)]
+
+    dhs, dos = [], []
+    try:
+        # Q: each chunk's output from its rows of h and of o.
+        for a, b in _spans(n, chunk):
+            def q_part(x, oc, *p):
+                with_params(p)
+                with _chunk(layer, a, _Attn(oc)):
+                    return call(x, mask)
+            _, (dx, do, *dp) = mx.vjp(q_part, [h[:, a:b], o[:, :, a:b], *values],
+                                      [d_out[:, a:b]])
+            add(dp)
+            mx.eval(dx, do, acc)
+            dhs.append(dx)
+            dos.append(do)
+        del o
+        do = mx.concatenate(dos, axis=2)
+        del dos
+        dq, dk, dv = attention.blocked_grads(q, k, v, do, amask, scale, block or n)
+        del q, k, v, do
+        # P: each chunk's q, k, v from its rows of h.
+        for j, (a, b) in enumerate(_spans(n, chunk)):
+            def p_part(x, *p):
+                with_params(p)
+                with _chunk(layer, a, _Attn()) as attn:
+                    call(x, mask)
+                return list(attn.taken)
+            _, (dx, *dp) = mx.vjp(p_part, [h[:, a:b], *values],
+                                  [dq[:, :, a:b], dk[:, :, a:b], dv[:, :, a:b]])
+            add(dp)
+            dhs[j] = dhs[j] + dx
+            mx.eval(dhs[j], acc)
+    finally:
+        with_params(values)
+    return mx.concatenate(dhs, axis=1), acc
+
+
+def usable(layer, mask) -> bool:
+    """Whether a layer that passed `rowwise` may be cut now: its LoRA dropout is off
+    (a chunk would draw other masks than the whole row does) and its mask is not an
+    array (a layer may slice one to its rows)."""
+    return (mask is None or isinstance(mask, (str, attention.BlockMask))) and _dropout_off(layer)
+
+
+def rowwise(layer, call, dim: int, dtype, masks=("causal",)) -> bool:
+    """Whether `layer` run through `forward` and `vjp` in chunks of 3 rows gives what
+    it gives on 6 rows whole, under each of `masks` (its output, its input gradient
+    and its trainable parameters' gradients)."""
+    key = mx.random.key(11)  # its own key: the caller's random stream is left alone
+    k1, k2 = mx.random.split(key)
+    h = mx.random.normal((1, 6, dim), key=k1).astype(dtype)
+    g = mx.random.normal((1, 6, dim), key=k2).astype(dtype)
+    names = [n for n, _ in tree_flatten(layer.trainable_parameters())]
+    values = [v for _, v in tree_flatten(layer.trainable_parameters())]
+    try:
+        with attention.swapped_sdpa([layer], attention.block_mask_sdpa):
+            return all(_same_cut(layer, call, h, g, mask, names, values) for mask in masks)
+    except Exception:
+        return False
+
+
+def _same_cut(layer, call, h, g, mask, names, values) -> bool:
+    def whole(x, *p):
+        layer.update(tree_unflatten(list(zip(names, p))))
+        return call(x, mask)
+    try:
+        ref, (rdh, *rdp) = mx.vjp(whole, [h, *values], [g])
+        mx.eval(ref, rdh, rdp)
+    finally:
+        layer.update(tree_unflatten(list(zip(names, values))))
+    out = forward(layer, call, h, mask, 3)
+    dh, dp = vjp(layer, call, h, mask, g, names, values, 3, 2)
+    return all(_close(a, b) for a, b in zip([ref[0], rdh, *rdp], [out, dh, *dp]))
+
+
+def _close(a, b) -> bool:
+    if a.shape != b.shape:
+        return False
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    scale = max(mx.max(mx.abs(a)).item(), 1e-6)
+    return bool(mx.max(mx.abs(a - b)).item() <= 1e-2 * scale)

@@ -1,0 +1,19 @@
+"""Which model families the engine runs a layer of a chunk of rows at a time.
+
+The engine decides this itself, per layer class, when it loads a model
+(engine/rows.py checks a layer cut against whole). The planner, which sees a
+model's config.json and not its layers, reads it from here: a family listed
+plans with the row-wise terms (the layer's light parts a chunk at a time); any
+other plans as if every layer kept them whole, the larger figure. The test of
+every mlx-lm family checks this list against the engine's own verdict.
+"""
+
+ROWWISE_FAMILIES = frozenset({
+    "Klear", "afmoe", "apertus", "cohere", "cohere2", "deepseek", "dots1", "ernie4_5",
+    "ernie4_5_moe", "exaone4", "exaone_moe", "gear", "gemma", "gemma3", "gemma3_text", "glm",
+    "glm4", "glm4_moe", "granite", "granitemoe", "helium", "hunyuan_v1_dense", "internlm3",
+    "laguna", "llama", "mellum", "mimo", "minicpm", "minimax", "mistral3", "mixtral",
+    "nanbeige", "nemotron", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "pixtral", "qwen2",
+    "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_vl", "seed_oss", "smollm3",
+    "solar_open", "stablelm", "starcoder2", "telechat3",
+})
