@@ -358,20 +358,26 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         qo = L * info.heads * info.head_dim * a
         kv = L * info.kv_heads * info.head_dim
         chunk_width = mlp_chunk * _layer_width(info) * a
+        # Attention in attn_block-row blocks, forward (the step's masks cut it so)
+        # and backward; a row no longer than a block, whole.
         if 0 < attn_block < L - 1:
             block = BLOCK_SCORES * info.heads * attn_block * L * a
+            forward = FORWARD_SCORES * info.heads * attn_block * L * a
         else:
             block = (SAVED_SCORES + BACKWARD_SCORES) * scores
-        layer_forward = (2 * (qo + 2 * kv * a) + qo + hidden_state
-                         + TRANSIENT_WIDTH * chunk_width + min(block, FORWARD_SCORES * scores))
-        segment = (s * hidden_state + hidden_state + 4 * qo + 2 * kv * (a + F32)
+            forward = FORWARD_SCORES * scores
+        # The chunks' outputs and input gradients are joined at the end: two
+        # [L, hidden] copies for a moment, in the forward and the backward.
+        layer_forward = (2 * (qo + 2 * kv * a) + qo + 2 * hidden_state
+                         + TRANSIENT_WIDTH * chunk_width + forward)
+        segment = (s * hidden_state + 2 * hidden_state + 4 * qo + 2 * kv * (a + F32)
                    + (SAVED_WIDTH + TRANSIENT_WIDTH) * chunk_width + block)
     elif pieces:
         # A layer's backward in pieces (blocked attention, MLP chunks): the segment's
         # layer inputs are kept, then one layer at a time runs its passes with
         # attention's q, k, v, dO recorded (and
         # fp32 dk, dv sums); attention holds one query block's scores or, in the
-        # record and replay passes, its unfused forward's.
+        # record and replay passes, its forward's.
         qkv = L * (info.heads + 2 * info.kv_heads) * info.head_dim * (a + F32)
         if 0 < attn_block < L - 1:
             attention = max(FORWARD_SCORES * scores,

@@ -1,0 +1,73 @@
+"""The blocked attention backward alone at long context: one JSON row per repeat.
+
+    python -m bench.attn_backward --seq 128000 --block 256 [--reps 2]
+
+q, k, v and the output's cotangent of one layer (Llama-3.1-8B's attention: 32
+query heads over 8 K/V heads of 128, bf16) at random, then
+`engine.attention.blocked_grads` under the engine's causal BlockMask of `block`
+rows, as a layer's backward calls it. A row: seconds, MLX's active, cache and
+peak memory after it, and on an NVIDIA GPU the device memory in use
+(nvidia-smi), which also counts what CUDA's memory pool keeps after MLX frees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import time
+
+import segctl  # noqa: F401  (sets MLX's CUDA attention cache sizes before MLX loads)
+import mlx.core as mx
+
+from segctl.engine import attention
+
+
+def _device_used_gb() -> float | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout.split()
+    return round(float(out[0]) / 1024, 3) if out else None
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.attn_backward", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2)
+    a = p.parse_args(argv)
+    ks = mx.random.split(mx.random.key(0), 4)
+    shape = lambda h: (1, h, a.seq, a.head_dim)
+    q, k, v, do = (mx.random.normal(shape(h), key=key).astype(mx.bfloat16)
+                   for h, key in zip((a.heads, a.kv_heads, a.kv_heads, a.heads), ks))
+    mx.eval(q, k, v, do)
+    mx.reset_peak_memory()
+    for rep in range(a.reps):
+        row = dict(seq=a.seq, block=a.block, heads=a.heads, kv_heads=a.kv_heads,
+                   head_dim=a.head_dim, dtype="bfloat16", rep=rep, device=str(mx.default_device()))
+        tic = time.perf_counter()
+        try:
+            out = attention.blocked_grads(q, k, v, do, attention.BlockMask(rows=a.block),
+                                          a.head_dim ** -0.5, a.block)
+            mx.eval(out)
+            del out
+        except RuntimeError as e:
+            row["error"] = str(e).splitlines()[0][:200]
+        row.update(seconds=round(time.perf_counter() - tic, 3),
+                   active_gb=round(mx.get_active_memory() / 1e9, 3),
+                   cache_gb=round(mx.get_cache_memory() / 1e9, 3),
+                   peak_gb=round(mx.get_peak_memory() / 1e9, 3),
+                   device_used_gb=_device_used_gb())
+        print(json.dumps(row), flush=True)
+        if "error" in row:
+            break
+
+
+if __name__ == "__main__":
+    main()
