@@ -95,6 +95,7 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
                      nll_scope=nll_scope, beta=beta,
                      reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
+                                       attn_block=attn_block, mlp_chunk=mlp_chunk,
                                        on_phase=on_phase))
     if segment_size == 0:
         loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
@@ -107,26 +108,33 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
 
 
 def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int = DEFAULT_HEAD_CHUNK,
+              attn_block: int = 0, mlp_chunk: int = 0,
               prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
               beta: float = 0.1, parts: ModelParts | None = None) -> tuple[float, int]:
     """(loss, weight) without gradients, for validation: SFT weighs by supervised
-    tokens, ORPO and DPO by rows (their loss is already a per-row figure)."""
+    tokens, ORPO and DPO by rows (their loss is already a per-row figure). On rows
+    longer than attn_block / mlp_chunk the forward goes in pieces as the step's does."""
     parts = parts or model_parts(model, check=False)
     plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
                      nll_scope=nll_scope, beta=beta,
-                     reference=partial(reference_sums, model, parts, head_chunk=head_chunk))
-    return plan.loss(_nograd_sums(parts, plan.streams, head_chunk)).item(), plan.weight
+                     reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
+                                       attn_block=attn_block, mlp_chunk=mlp_chunk))
+    return plan.loss(_nograd_sums(parts, plan.streams, head_chunk, attn_block,
+                                  mlp_chunk)).item(), plan.weight
 
 
-def _nograd_sums(parts, streams, head_chunk) -> mx.array:
-    """The sums of `streams` from a forward without gradients."""
+def _nograd_sums(parts, streams, head_chunk, attn_block=0, mlp_chunk=0) -> mx.array:
+    """The sums of `streams` from a forward without gradients, in the step's pieces."""
     sums = 0
     for stream in streams:
+        rows = attn_block if 0 < attn_block < len(stream.ids) else 0
+        chunk = _pieces(mlp_chunk, stream)
         with _positions(parts, stream):
-            h, masks, extras = _embed(parts, stream)
+            h, masks, extras = _embed(parts, stream, rows)
             kv: dict = {}
             for i in range(len(parts.layers)):
-                h, produced = _run(parts, i, i + 1, h, masks, extras, kv, None)
+                with eager(parts.layers, parts.tokenwise or [], chunk):
+                    h, produced = _run(parts, i, i + 1, h, masks, extras, kv, None, chunk)
                 kv.update(produced)
                 mx.eval(h, produced)  # one layer's activations at a time
         logp = _head_logp(parts, h, stream, head_chunk)
@@ -295,11 +303,12 @@ def _preference_streams(ex: PreferenceExample, parts, prefix_shared: bool,
 # ---------------------------------------------------------------- DPO's reference
 
 def reference_sums(model: nn.Module, parts: ModelParts, streams: list[Stream], head_chunk: int,
+                   attn_block: int = 0, mlp_chunk: int = 0,
                    on_phase: PhaseHook | None = None) -> mx.array:
     """The base model's sums over `streams`: the no-gradient forward with the
     adapter switched off, evaluated, so the step sees constants."""
     with adapter_off(model):
-        sums = _nograd_sums(parts, streams, head_chunk)
+        sums = _nograd_sums(parts, streams, head_chunk, attn_block, mlp_chunk)
         mx.eval(sums)
     if on_phase:
         on_phase("ref")

@@ -289,7 +289,9 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
     total = tokens = 0
     method = method_options(job)
     for ex in rows:
-        loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk, parts=parts, **method)
+        loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk,
+                            attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
+                            parts=parts, **method)
         total, tokens = total + loss * n, tokens + n
     model.train()
     val = total / tokens

@@ -38,6 +38,22 @@ def test_mlp_chunks_and_offload_equal_plain(tiny_models, arch, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_validation_and_the_reference_pass_go_in_the_steps_pieces(tiny_models, method):
+    """eval_loss (and DPO's reference forward) on a long row: in row chunks and
+    attention blocks, the same loss as whole."""
+    from segctl.engine.step import eval_loss
+    model = lora_model(tiny_models["llama"])
+    parts = model_parts(model)
+    ex = random_example(model.args.vocab_size, n=41, prompt_len=13)
+    if method == "dpo":
+        ids = ex.ids
+        ex = PreferenceExample(ids[:13], ids[13:27], ids[27:])
+    whole, n = eval_loss(model, ex, method=method, parts=parts)
+    cut, m = eval_loss(model, ex, method=method, attn_block=16, mlp_chunk=9, parts=parts)
+    assert n == m and abs(cut - whole) <= TOL * abs(whole), (cut, whole)
+
+
 def test_offload_is_bit_identical_to_memory_two_branch(tiny_models, tmp_path):
     model = lora_model(tiny_models["qwen3"])
     ids = mx.random.randint(1, model.args.vocab_size, (60,), key=mx.random.key(4)).tolist()
