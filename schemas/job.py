@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union, get_args
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_serializer, model_validator)
@@ -161,7 +161,8 @@ class DpoSpec(Strict):
 
 # Experiment trackers a run can stream to (`report_to`); orchestrator/trackers.py
 # writes to them, the engine never imports one.
-TRACKERS = ("tensorboard", "mlflow", "wandb")
+Tracker = Literal["tensorboard", "mlflow", "wandb"]
+TRACKERS = get_args(Tracker)
 # The keys each tracker takes besides `type` (where it writes).
 TRACKER_KEYS = {"tensorboard": ("dir",), "mlflow": ("uri",), "wandb": ("project", "entity", "dir")}
 
@@ -169,7 +170,7 @@ TRACKER_KEYS = {"tensorboard": ("dir",), "mlflow": ("uri",), "wandb": ("project"
 class TrackerSpec(Strict):
     """One entry of `report_to`: a tracker's name, or {type: name, ...} saying where it
     writes. Defaults are under the stores root (<home>/trackers/)."""
-    type: Literal["tensorboard", "mlflow", "wandb"]
+    type: Tracker
     dir: Optional[PathStr] = Field(None, description="tensorboard: the log root, a folder per sweep "
                                                      "(default <home>/trackers/tensorboard); wandb: "
                                                      "where its wandb/ folder goes (default "
