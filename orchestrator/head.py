@@ -81,13 +81,12 @@ class Controller:
         self.agents: dict[str, object] = {}
         self.held: dict[str, dict] = {}         # node -> {attempt (or "tune:ID"): GB it holds}
         self.free_since: dict[str, float] = {}  # node -> when it last became free
-        self.inflight: dict[object, tuple[int, str, str]] = {}   # ref -> (attempt, trial, node)
+        self.inflight: dict[object, tuple[int, str, str, str]] = {}  # ref -> (attempt, trial, node, sweep)
         self.to_file: deque[tuple[int, AttemptResult]] = deque()   # ended, not yet filed
         self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
         self.plans: dict[tuple, object] = {}    # (trial, class, budget, max_segment) -> Plan
         self.placements = 0                     # attempts placed by this head, counted
         self.served: dict[str, int] = {}        # sweep -> the count when it last got a node
-        self.live: dict[str, str] = {}          # trial -> its sweep, of the attempts in flight
         self.fitted: dict[str, dict] = {}       # model key -> {measured.match_key: MemoryModel}
         self.probing: dict[object, tuple[str, str, str]] = {}   # ref -> (tune, class, node)
         self.nodes_seen = 0.0
@@ -329,7 +328,7 @@ class Controller:
             if ref in self.probing:
                 self._probed(ref)
                 continue
-            aid, tid, node = self.inflight.pop(ref)
+            aid, tid, node, _ = self.inflight.pop(ref)
             self.to_file.append((aid, self._result(ref, aid, node)))
             with self.mu:
                 self.held.get(node, {}).pop(aid, None)
@@ -416,9 +415,7 @@ class Controller:
         free = self._place_probes(free)
         # What each sweep runs is what it has in flight: an attempt that ended this turn
         # frees its share before its trial's end is filed.
-        flying = {tid for _, tid, _ in self.inflight.values()}
-        self.live = {tid: sid for tid, sid in self.live.items() if tid in flying}
-        runs = Counter(self.live.values())
+        runs = Counter(sid for *_, sid in self.inflight.values())
         sweeps, pending, turn = {}, {}, []
         for s in self.state.running_sweeps():
             spec = json.loads(s["spec"])
@@ -676,8 +673,7 @@ class Controller:
             line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
             return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                                   message=line))
-        self.inflight[ref] = (aid, tid, node.name)
-        self.live[tid] = t["sweep"]
+        self.inflight[ref] = (aid, tid, node.name, t["sweep"])
         self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
 
     # ------------------------------------------------------------ outcomes
