@@ -18,12 +18,17 @@ only that last message is the response).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
 import stat
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
+from segctl.schemas.atomic import write_atomic
 from segctl.schemas.defaults import DEFAULT_MAX_SEQ_LENGTH
 from segctl.schemas.limits import MAX_ROW_BYTES, load_json, one_line
 
@@ -322,6 +327,101 @@ def _check_messages(messages: list, key: str, where: str) -> None:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
             raise DataError(f"{where}: {key}[{i}] needs string 'role' and 'content'")
+
+
+# ---------------------------------------------------------------- a node's cache
+
+CACHE_FORMAT = 1
+CACHE_KEEP = 64          # data sets a cache folder keeps, the most recently used
+_WEIGHTS = (".safetensors", ".bin", ".gguf", ".npz", ".pt", ".pth")
+
+
+def load_dataset_cached(path: str | Path, tokenizer, *, model_dir: str | Path,
+                        cache: str | Path | None, **opts) -> Dataset:
+    """`load_dataset`, kept in the folder `cache` (a node's) under a key of all the
+    tokens depend on: the file's bytes, the model folder's files but its weights
+    (tokenizer, template, config), the options, this module's code and the
+    tokenizer libraries' versions. A node runs many trials of one data set, each
+    in a process of its own: rendering and tokenizing took ~1 s of every attempt
+    on the demo's 400 rows, and grows with the rows. A bad file is never cached:
+    it raises here every time, as `load_dataset` does. No cache: no caching."""
+    if cache is None:
+        return load_dataset(path, tokenizer, **opts)
+    try:
+        key = _cache_key(Path(path), Path(model_dir), opts)
+    except OSError:   # unreadable: load_dataset says why, in its words
+        return load_dataset(path, tokenizer, **opts)
+    entry = Path(cache) / f"{key}.json"
+    ds = _read_entry(entry, str(path))
+    if ds is None:
+        ds = load_dataset(path, tokenizer, **opts)
+        try:
+            Path(cache).mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_atomic(entry, json.dumps(_entry(ds)), mode=0o600)
+            _prune(Path(cache))
+        except OSError:
+            pass   # a cache that cannot be written is no cache, not a failed attempt
+    return ds
+
+
+def _cache_key(path: Path, model_dir: Path, opts: dict) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([CACHE_FORMAT, sorted(opts.items())] + [
+        _version(p) for p in ("transformers", "tokenizers", "mlx-lm")]).encode())
+    h.update(hashlib.sha256(Path(__file__).read_bytes()).digest())
+    h.update(_file_digest(path))
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and not f.name.endswith(_WEIGHTS):
+            h.update(f.name.encode() + b"\0" + _file_digest(f))
+    return h.hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.digest()
+
+
+def _entry(ds: Dataset) -> dict:
+    rows = [[e.ids, e.prompt_len] if isinstance(e, Example) else
+            [e.prompt, e.chosen, e.rejected, e.rejected_prompt] for e in ds.examples]
+    return {"format": CACHE_FORMAT, "truncated": ds.truncated, "skipped": ds.skipped,
+            "rows": rows}
+
+
+def _read_entry(entry: Path, path: str) -> Dataset | None:
+    """The cached Dataset, or None when there is none or it is not whole."""
+    try:
+        doc = json.loads(entry.read_text())
+        if doc["format"] != CACHE_FORMAT:
+            return None
+        examples = [Example(list(r[0]), int(r[1])) if len(r) == 2 else
+                    PreferenceExample(list(r[0]), list(r[1]), list(r[2]),
+                                      None if r[3] is None else list(r[3]))
+                    for r in doc["rows"]]
+        ds = Dataset(examples, int(doc["truncated"]), int(doc["skipped"]), path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        entry.unlink(missing_ok=True)   # damaged: made again
+        return None
+    os.utime(entry)   # most recently used
+    return ds if ds.examples else None
+
+
+def _prune(cache: Path) -> None:
+    entries = sorted(cache.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+    for f in entries[CACHE_KEEP:]:
+        f.unlink(missing_ok=True)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -25,7 +25,7 @@ from segctl.schemas import events as ev
 from segctl.schemas.atomic import fsync_dir, write_atomic
 from segctl.schemas.job import JobSpec
 
-from .data import DataError, Dataset, epoch_order, load_dataset
+from .data import DataError, Dataset, epoch_order, load_dataset_cached
 from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
 from .step import StepError, eval_loss, loss_and_grads, supervised_tokens
@@ -49,10 +49,11 @@ class OutputError(ValueError):
 
 
 def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
-        clock: Callable[[], float] = time.time) -> Path:
+        clock: Callable[[], float] = time.time, data_cache: str | Path | None = None) -> Path:
     """Train `job`; returns the output folder. Raises ModelError / DataError /
     OutputError for bad input (before anything is written) and OOMError when the
-    memory guard fires (the last checkpoint stays as it was)."""
+    memory guard fires (the last checkpoint stays as it was). `data_cache`: a
+    folder that keeps tokenized data sets between runs (a node's)."""
     if job.output is None:
         raise OutputError("output: required key is missing (where the adapter lands)")
     if job.memory.segment_size == "auto":
@@ -68,8 +69,9 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     d = job.data
     opts = dict(method=job.method, mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length,
                 overlong=d.overlong)
-    train_set = load_dataset(d.train, tokenizer, **opts)
-    valid_set = load_dataset(d.valid, tokenizer, **opts) if d.valid else None
+    cached = dict(model_dir=job.model, cache=data_cache)
+    train_set = load_dataset_cached(d.train, tokenizer, **cached, **opts)
+    valid_set = load_dataset_cached(d.valid, tokenizer, **cached, **opts) if d.valid else None
     mx.random.seed(job.train.seed)
     adapter_config = apply_lora(model, rank=job.lora.rank, scale=job.lora.scale,
                                 dropout=job.lora.dropout, num_layers=job.lora.num_layers,
@@ -158,7 +160,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
 
 
 def run_reported(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
-                 clock: Callable[[], float] = time.time, debug: bool = False) -> tuple[int, str]:
+                 clock: Callable[[], float] = time.time, debug: bool = False,
+                 data_cache: str | Path | None = None) -> tuple[int, str]:
     """`run`, with every way it can end turned into an exit code and, on failure, an
     Error event: (0, "") done, (2, msg) bad input, (3, msg) memory guard, (1, msg) a
     bug of ours. `segctl train` and the node's worker process both end this way."""
@@ -174,7 +177,7 @@ def run_reported(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: N
         return code, message
 
     try:
-        run(job, resume=resume, emit=tracked, clock=clock)
+        run(job, resume=resume, emit=tracked, clock=clock, data_cache=data_cache)
     except ModelError as e:
         return error("model", str(e), ev.EXIT_BAD_INPUT)
     except (DataError, StepError, OutputError) as e:

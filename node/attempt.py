@@ -34,6 +34,7 @@ from segctl.schemas.records import AttemptResult, AttemptSpec
 
 from .raynode import private_dir, private_file
 
+DATA_CACHE = "data-cache"   # beside the attempt folders of a node: tokenized data sets
 DRAIN_S = 5          # seconds the worker's stderr gets to drain once it has exited
 FLUSH_S = 0.5        # forward telemetry at least this often while events arrive
 FLUSH_ROWS = 500     # ... or when this many are waiting
@@ -94,7 +95,10 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
             private_file(ckpt / name, blob)
     private_file(folder / "job.json", json.dumps(job).encode())
 
-    started = start_worker([str(folder / "job.json")] + (["--resume"] if resume else []), folder,
+    # Tokenized data sets outlive the attempt: the node's next trial of the same
+    # data and model reads them instead of tokenizing again (engine/data.py).
+    started = start_worker([str(folder / "job.json")] + (["--resume"] if resume else [])
+                           + ["--data-cache", str(private_dir(work / DATA_CACHE))], folder,
                            running, python)
     if started is None:
         return _ended(folder, AttemptResult(attempt=spec.attempt, outcome="cancelled",
@@ -195,6 +199,8 @@ def abandoned(work: Path) -> None:
     (an agent that died left them, without a result) count as failed ones."""
     if work.is_dir():
         for folder in work.iterdir():
+            if folder.name == DATA_CACHE:
+                continue
             if folder.is_dir() and not (folder / OUTCOME_FILE).exists():
                 _mark(folder, {"outcome": "abandoned", "message": "the agent that ran it is gone",
                                "ended": time.time()})

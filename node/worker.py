@@ -44,10 +44,11 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--probe":
         return _probe(argv[1])
     path, resume = argv[0], "--resume" in argv[1:]
+    cache = argv[argv.index("--data-cache") + 1] if "--data-cache" in argv[1:] else None
     with open(path, encoding="utf-8") as f:
         job = JobSpec.model_validate(json.load(f))
     code, message = run_reported(job, resume=resume, emit=telemetry.json_lines(sys.stdout),
-                                 debug=bool(os.environ.get("SEGCTL_DEBUG")))
+                                 debug=bool(os.environ.get("SEGCTL_DEBUG")), data_cache=cache)
     if code:
         print(message, file=sys.stderr)
     sys.stdout.flush()

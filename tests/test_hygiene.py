@@ -203,7 +203,8 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
         r = run(spec(i, {"train.jsonl": b'{"text": 1}\n'}), work)
         assert r.outcome == "failed" and r.message, r
     kept = sorted(p.name for p in work.iterdir())
-    assert kept == ["attempt-3", "attempt-4", "attempt-5"], "the newest three failed folders"
+    assert kept == ["attempt-3", "attempt-4", "attempt-5", "data-cache"], \
+        "the newest three failed folders, and the data sets tokenized on this node"
     outcome = json.loads((work / "attempt-5" / "outcome.json").read_text())
     assert outcome["outcome"] == "failed" and outcome["message"] == r.message
     assert (work / "attempt-5" / "data" / "train.jsonl").is_file(), "kept as it ran, to debug"
@@ -222,7 +223,9 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
     # agent of this node counts it as a failed one
     private_dir(work / "attempt-7" / "out")
     NodeAgent("mac-1", head=None)
-    assert sorted(p.name for p in work.iterdir()) == ["attempt-5", "attempt-6", "attempt-7"]
+    assert sorted(p.name for p in work.iterdir()) == ["attempt-5", "attempt-6", "attempt-7",
+                                                      "data-cache"]
+    assert not (work / "data-cache" / "outcome.json").exists()
     assert json.loads((work / "attempt-7" / "outcome.json").read_text())["outcome"] == "abandoned"
 
     data = {n: (demo_dir / "data" / n).read_bytes() for n in ("train.jsonl", "valid.jsonl")}
@@ -230,7 +233,9 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
     assert ok.outcome == "succeeded" and set(ok.adapter) == {"adapters.safetensors",
                                                              "adapter_config.json"}
     assert not (work / "attempt-8").exists(), "delivered with the result: the folder goes"
-    assert sorted(p.name for p in work.iterdir()) == ["attempt-5", "attempt-6", "attempt-7"]
+    assert sorted(p.name for p in work.iterdir()) == ["attempt-5", "attempt-6", "attempt-7",
+                                                      "data-cache"]
+    assert len(list((work / "data-cache").glob("*.json"))) == 2, "train and valid, tokenized"
     assert_private(tmp_path / "work")
 
 
