@@ -141,7 +141,10 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
             files = _checkpoint_files(Path(event["path"]))
             if files is not None:   # None: pruned by the engine already, a newer one follows
                 send_checkpoint(event["step"], files)
-        elif len(batch) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
+        elif kind == "eval" or len(batch) >= FLUSH_ROWS or \
+                time.monotonic() - last_flush >= FLUSH_S:
+            # An eval goes at once: at an ASHA rung it decides whether the trial goes
+            # on, and the attempt trains on (paying node time) until the head hears it.
             flush()
     code = proc.wait()
     ended = time.time()
