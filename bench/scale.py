@@ -4,6 +4,7 @@ actors, each attempt a fake engine emitting the real events at `--step-s` a step
 One JSON row per run.
 
     python -m bench.scale --nodes 50 --trials 2000 [--steps-per-trial 200] [--step-s 0.01]
+    python -m bench.scale --adapter-only     # what filing one adapter costs (no Ray)
 
 The Ray cluster is a real `segctl` head node (fleet.up with no training nodes,
 stopped by its pid at the end); the sweeps go in through the real submit path
@@ -103,6 +104,39 @@ def demo_sweeps(d: Path, trials: int, steps: int, eval_every: int, checkpoint_ev
     return out
 
 
+def adapter_cost(n: int = 30, stores_cls=None) -> dict:
+    """What filing one adapter costs the head: CPU and wall seconds per `put_adapter`
+    of an adapter shaped like the scale runs' (the demo model, rank 8: 56 tensors),
+    and per `adapter_files` reading it back; the files a stored adapter takes.
+    `stores_cls`: another Stores to measure (an older one, for a before/after)."""
+    from bench.simfleet import DEMO_SHAPE, FakeEngine
+    from segctl.orchestrator.stores import Stores
+    stores_cls = stores_cls or Stores
+    job = {"memory": {"segment_size": 1}, "lora": {"rank": 8, "scale": 20.0, "num_layers": -1}}
+    eng = FakeEngine(job, 1, 1)
+    adapters = [eng.adapter(step) for step in range(n)]
+    with tempfile.TemporaryDirectory(prefix="segctl-adapter-") as d:
+        st = stores_cls(Path(d) / "stores")
+        st.put_adapter("sw", "sw-t0", 1, adapters[0])       # the store and its groups made once
+        cpu0, tic = time.process_time(), time.perf_counter()
+        for i, files in enumerate(adapters):
+            st.put_adapter("sw", f"sw-t{i + 1}", 1, files)
+        put_cpu, put_wall = time.process_time() - cpu0, time.perf_counter() - tic
+        cpu0, tic = time.process_time(), time.perf_counter()
+        for i, files in enumerate(adapters):
+            got = st.adapter_files(f"sw-t{i + 1}")
+            assert got["adapters.safetensors"] == files["adapters.safetensors"]
+        read_cpu, read_wall = time.process_time() - cpu0, time.perf_counter() - tic
+        files_per = du(Path(d) / "stores" / "adapters.zarr" / "sw-t1")[1]
+    return dict(bench="adapter", tensors=len(eng._tensors()), n=n,
+                adapter_kb=round(len(adapters[0]["adapters.safetensors"]) / 1024, 1),
+                put_cpu_s=round(put_cpu / n, 4), put_wall_s=round(put_wall / n, 4),
+                read_cpu_s=round(read_cpu / n, 4), read_wall_s=round(read_wall / n, 4),
+                files_per_adapter=files_per, demo_shape=DEMO_SHAPE == eng.shape,
+                machine=f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
 def run(a) -> dict:
     import ray
 
@@ -195,7 +229,7 @@ def run(a) -> dict:
         sum(q.stat().st_size for q in p.parent.glob(p.name + "*"))
     tele_bytes, tele_files = du(stores / "telemetry")
     row = dict(
-        bench="scale", nodes=a.nodes, max_trials=a.max_trials, trials=a.trials,
+        bench="scale", stores_layout="packed", nodes=a.nodes, max_trials=a.max_trials, trials=a.trials,
         sweeps=len(sids), steps_per_trial=a.steps_per_trial, step_s=a.step_s,
         eval_every=a.eval_every, checkpoint_every=a.checkpoint_every, sim_hosts=a.hosts,
         succeeded=ok, attempts=len(attempts), wall_s=round(wall, 1), submit_s=round(submit_s, 2),
@@ -208,6 +242,7 @@ def run(a) -> dict:
         head_rss_max_mb=round(hwm),
         state_db_mb=round(size(stores / "state.db") / 1e6, 2),
         staging_db_mb=round(size(stores / "staging.db") / 1e6, 2),
+        staging_wal_mb=round(size(stores / "staging.db-wal") / 1e6, 2),
         telemetry_mb=round(tele_bytes / 1e6, 2), telemetry_files=tele_files,
         adapters_zarr_mb=round(du(stores / "adapters.zarr")[0] / 1e6, 2),
         adapters_zarr_files=du(stores / "adapters.zarr")[1],
@@ -239,9 +274,11 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="sample the head's threads; write the "
                     "top frames to this JSON file")
     ap.add_argument("--out", type=Path, default=None, help="append the row to this JSONL file")
+    ap.add_argument("--adapter-only", action="store_true", help="only time filing one "
+                    "adapter (put_adapter, adapter_files) and print that row")
     a = ap.parse_args()
     a.load_before = round(os.getloadavg()[0], 2)
-    row = run(a)
+    row = {**adapter_cost(), "load_before": a.load_before} if a.adapter_only else run(a)
     print(json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "a") as f:

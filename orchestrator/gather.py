@@ -75,9 +75,12 @@ def pick(stores: Stores, trials: list[dict], best: int | None, metric: str) -> l
 
     def key(t):
         v = (t.get("metrics") or {}).get(metric)
-        kind, info = exported(stores, t["trial"])
-        if metric == "val_loss" and kind == "best" and info["val_loss"] is not None:
-            v = info["val_loss"]
+        # the adapters' metadata is read only where a best one may change the value:
+        # a sweep has thousands of trials, and that is a file or two each
+        if metric == "val_loss" and stores.has_adapter(t["trial"], "best"):
+            kind, info = exported(stores, t["trial"])
+            if kind == "best" and info["val_loss"] is not None:
+                v = info["val_loss"]
         missing = not isinstance(v, (int, float)) or math.isnan(v)
         return (missing, 0.0 if missing else v)
     return sorted(ok, key=key)[:best]

@@ -338,9 +338,10 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # Segmented: the n/s + 1 boundaries, dh and the head's pieces of it live
     # through the step; on top of them the largest of one layer's forward, one
     # head chunk, and one segment's backward. With the boundaries on disk, the one
-    # a segment works on is in memory, and one more in flight (being written in
-    # the forward, read ahead in the backward: engine/offload.py).
-    boundaries = streams * ((2 if offload else math.ceil(n / s)) + 3) * hidden_state
+    # a segment works on is in memory (twice as it arrives: read, then copied into
+    # MLX), and one more in flight (being written in the forward, read ahead in the
+    # backward: engine/offload.py); one more for the allocator's slack, fitted.
+    boundaries = streams * ((4 if offload else math.ceil(n / s)) + 3) * hidden_state
     head = min(head_chunk, L) * info.vocab * head_entry
     pieces = 0 < attn_block < L - 1 or 0 < mlp_chunk < L
     if 0 < mlp_chunk < L:
@@ -367,10 +368,11 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
             block = (SAVED_SCORES + BACKWARD_SCORES) * scores
             forward = FORWARD_SCORES * scores
         # The chunks' outputs and input gradients are joined at the end: two
-        # [L, hidden] copies for a moment, in the forward and the backward.
+        # [L, hidden] copies for a moment, in the forward and the backward; so
+        # are dO's chunks and dq's blocks (q, o, dO, dq and one join: 5 x [L, q]).
         layer_forward = (2 * (qo + 2 * kv * a) + qo + 2 * hidden_state
                          + TRANSIENT_WIDTH * chunk_width + forward)
-        segment = (s * hidden_state + 2 * hidden_state + 4 * qo + 2 * kv * (a + F32)
+        segment = (s * hidden_state + 2 * hidden_state + 5 * qo + 2 * kv * (a + F32)
                    + (SAVED_WIDTH + TRANSIENT_WIDTH) * chunk_width + block)
     elif pieces:
         # A layer's backward in pieces (blocked attention, MLP chunks): the segment's

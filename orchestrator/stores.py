@@ -8,10 +8,15 @@ per-phase memory once an attempt ends, adapters and checkpoints per trial.
                      steps/, evals/, attempts/ (schemas/store_rows.py), and events/:
                      every event as delivered (what `segctl logs` reads once sealed)
     memory.zarr      <sweep>/<trial>/attempt-<id>: float32 [steps, phases] peaks
-    adapters.zarr    <trial>/adapter: one array per LoRA tensor (the last step's);
-                     <trial>/best_adapter: the same for the best eval's adapter, when the
-                     trial had a validation set;
-                     <trial>/checkpoints/step-NNNNNNN: one uint8 array per file
+    adapters.zarr    <trial>/adapter: the last step's LoRA tensors, packed: one uint8
+                     array `data` (the safetensors file's data section, the tensors'
+                     bytes back to back) and each tensor's dtype, shape and [begin, end)
+                     in it in the group's attributes; <trial>/best_adapter: the same for
+                     the best eval's adapter, when the trial had a validation set;
+                     <trial>/checkpoints/step-NNNNNNN: the folder's files packed the same
+                     way (one uint8 array, each file's [begin, end) in the attributes).
+                     Stores written before the packing (one array per tensor or file)
+                     are read as they are.
 
 The collector on the head is the only writer; `segctl status/logs/gather` read.
 Readers never see a half-written file: every Parquet file and zarr node is built
@@ -26,7 +31,6 @@ Nothing here knows about Ray or the trial state machine (state.db is the head's)
 
 from __future__ import annotations
 
-import asyncio
 import filecmp
 import itertools
 import json
@@ -42,10 +46,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zarr
-import zarr.api.asynchronous
-from zarr.core.sync import sync as zarr_sync
-from zarr.storage import LocalStore
 
 # private_dir / private_file: also what the head uses for inputs/ and state.db
 from segctl.node.raynode import alive, private_dir, private_file
@@ -64,13 +64,16 @@ CREATE TABLE IF NOT EXISTS attempts (
   sealed REAL);                       -- set once its Parquet files and memory array are in place
 """
 
-CHUNK_BYTES = 16 << 20            # a checkpoint file is stored in chunks of this size
+CHUNK_BYTES = 16 << 20            # a packed array is stored in chunks of this size
+DATA = "data"                     # the one array of a packed adapter or checkpoint
+VACUUM_PAGES = 256                # staging.db: free pages (4 KiB) that make a vacuum worth it
+WAL_KEEP_BYTES = 16 << 20         # staging.db-wal is cut back to this after a checkpoint
 SYNC_THREADS = 8                  # files of one zarr node fsynced at once
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _counter = itertools.count()
 
-# safetensors dtype code -> numpy dtype as stored in zarr. BF16 has no numpy
-# dtype: it is widened to float32 (exact) and narrowed back when a file is rebuilt.
+# safetensors dtype code -> numpy dtype of its values. BF16 has no numpy dtype: it
+# is widened to float32 (exact), as the per-tensor layout stored it in zarr.
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<f4",
           "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
           "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "|b1"}
@@ -91,6 +94,7 @@ class Stores:
         self.root = Path(root)
         self._con: sqlite3.Connection | None = None
         self._writer = False
+        self._vacuums = False   # staging.db was made with auto_vacuum=INCREMENTAL
         self._known: dict[int, tuple[str, str]] = {}   # attempt -> (sweep, trial) registered
         self._lock = threading.RLock()
 
@@ -149,6 +153,7 @@ class Stores:
                 con.execute("UPDATE attempts SET sealed = CAST(strftime('%s', 'now') AS REAL) "
                             "WHERE attempt = ?", (attempt,))
                 con.execute("DELETE FROM events WHERE attempt = ?", (attempt,))
+            self._give_back_pages()
 
     def put_probe(self, model_key: str, row: dict) -> None:
         """One probe point of a tune into the plan table, as its own file: a tune
@@ -167,15 +172,16 @@ class Stores:
         _safe("trial", trial)
         for name in files:
             _safe("checkpoint file", name)
-        attrs = dict(step=int(step), attempt=int(attempt), sweep=sweep, trial=trial,
-                     files=sorted(files))
+        names = sorted(files)
+        attrs = dict(step=int(step), attempt=int(attempt), sweep=sweep, trial=trial, files=names)
         with self._lock:
             self._db(write=True)
         # built aside and renamed in without the lock (see seal_attempt); pruned under it
         ckpts = self.root / sr.ADAPTERS_ZARR / trial / "checkpoints"
         self._ensure_group(ckpts)
         self._put_dir(self.root / sr.checkpoint_group(trial, step),
-                      lambda folder: write_files_group(folder, files, attrs))
+                      lambda folder: write_packed_group(folder, attrs,
+                                                        [bytes(files[n]) for n in names], names))
         with self._lock:
             for old in _checkpoint_dirs(ckpts)[:-sr.KEEP_CHECKPOINTS]:
                 self._remove(old)
@@ -184,29 +190,31 @@ class Stores:
                     kind: str = "last", step: int | None = None,
                     val_loss: float | None = None) -> None:
         """Keep a trial's adapter of `kind` (last: the final one; best: its best eval's):
-        its tensors as arrays (bit-exact), the config and the safetensors header as
-        attributes, so the files can be rebuilt as they were; with the attempt, and the
-        step and val_loss it is from where known."""
+        its tensors' bytes in one array, their layout, the config and the safetensors
+        header as attributes, so the files can be rebuilt byte for byte; with the
+        attempt, and the step and val_loss it is from where known."""
         _safe("trial", trial)
         path = _adapter_path(trial, kind)
         missing = {"adapters.safetensors", "adapter_config.json"} - set(files)
         if missing:
             raise ValueError(f"trial {trial}: adapter is missing {sorted(missing)}")
-        header_text, tensors = read_safetensors(files["adapters.safetensors"])
-        for name in tensors:
-            _safe("adapters.safetensors: tensor", name)
+        header_text, data, tensors = read_safetensors(files["adapters.safetensors"])
         try:
-            config = json.loads(files["adapter_config.json"])
-        except ValueError as e:
+            config_text = bytes(files["adapter_config.json"]).decode("utf-8")
+            config = json.loads(config_text)
+        except ValueError as e:   # UnicodeDecodeError included
             raise ValueError(f"trial {trial}: adapter_config.json: {e}") from None
-        attrs = dict(adapter_config=config, dtypes={n: t[0] for n, t in tensors.items()},
+        attrs = dict(adapter_config=config, adapter_config_json=config_text,
+                     dtypes={n: t[0] for n, t in tensors.items()},
+                     tensors={n: {"shape": list(shape), "offsets": list(span)}
+                              for n, (_, shape, span) in tensors.items()},
                      safetensors_header=header_text, attempt=int(attempt), sweep=sweep, trial=trial,
                      step=None if step is None else int(step),
                      val_loss=None if val_loss is None else float(val_loss))
         with self._lock:
             self._db(write=True)
         self._ensure_group(self.root / sr.ADAPTERS_ZARR / trial)
-        self._put_dir(self.root / path, lambda folder: write_tensors_group(folder, tensors, attrs))
+        self._put_dir(self.root / path, lambda folder: write_packed_group(folder, attrs, [data]))
 
     # ================================================================ read side
 
@@ -238,39 +246,58 @@ class Stores:
             if not dirs:
                 return None
             try:
-                g = zarr.open_group(store=LocalStore(dirs[-1], read_only=True), mode="r")
-                files = {n: g[n][:].tobytes() for n in g.attrs["files"]}
+                attrs = node_attrs(dirs[-1])
+                if "packed" in attrs:
+                    data = read_data(dirs[-1])
+                    files = {n: data[b:e] for n, (b, e) in attrs["packed"].items()}
+                else:   # written before packing: one array per file
+                    zarr, LocalStore = _zarr()
+                    g = zarr.open_group(store=LocalStore(dirs[-1], read_only=True), mode="r")
+                    files = {n: g[n][:].tobytes() for n in attrs["files"]}
             except (FileNotFoundError, KeyError):
                 continue
             if (dirs[-1] / "zarr.json").exists():
-                return int(g.attrs["step"]), files
+                return int(attrs["step"]), files
         raise RuntimeError(f"trial {trial}: checkpoints keep changing under the reader")
 
     def has_adapter(self, trial: str, kind: str = "last") -> bool:
-        return (self.root / _adapter_path(trial, kind) / "zarr.json").is_file()
+        # os.path, not pathlib: gather asks this of every trial of a sweep
+        return os.path.isfile(os.path.join(self.root, _adapter_path(trial, kind), "zarr.json"))
 
     def adapter_info(self, trial: str, kind: str = "last") -> dict | None:
         """{attempt, step, val_loss} of the trial's adapter of `kind` (step and val_loss
         None where not known), or None when there is none."""
-        if not self.has_adapter(trial, kind):
+        try:   # only the group's own metadata is read: gather asks this of every trial
+            a = node_attrs(self.root / _adapter_path(trial, kind))
+        except FileNotFoundError:
             return None
-        a = self._adapter_group(trial, kind).attrs
         return {"attempt": a.get("attempt"), "step": a.get("step"), "val_loss": a.get("val_loss")}
 
     def adapter(self, trial: str, kind: str = "last") -> tuple[dict[str, np.ndarray], dict]:
         """The trial's LoRA tensors (name -> array in its original dtype; bfloat16,
         which numpy lacks, comes back widened to float32) and its adapter_config."""
-        g = self._adapter_group(trial, kind)
-        return {n: g[n][...] for n in g.attrs["dtypes"]}, dict(g.attrs["adapter_config"])
+        attrs, data = self._adapter_node(trial, kind)
+        if data is None:   # written before packing: one array per tensor
+            g = self._adapter_group(trial, kind)
+            return {n: g[n][...] for n in attrs["dtypes"]}, dict(attrs["adapter_config"])
+        return ({n: tensor_values(data[b:e], attrs["dtypes"][n], t["shape"])
+                 for n, t in attrs["tensors"].items() for b, e in [t["offsets"]]},
+                dict(attrs["adapter_config"]))
 
     def adapter_files(self, trial: str, kind: str = "last") -> dict[str, bytes]:
         """The trial's mlx-lm adapter folder, rebuilt: adapters.safetensors (the same
         bytes the engine wrote) and adapter_config.json."""
-        g = self._adapter_group(trial, kind)
-        header_text = g.attrs["safetensors_header"]
-        raw = {n: _tensor_bytes(g[n][...], code) for n, code in g.attrs["dtypes"].items()}
-        return {"adapters.safetensors": write_safetensors(header_text, raw),
-                "adapter_config.json": (json.dumps(g.attrs["adapter_config"], indent=2) + "\n").encode()}
+        attrs, data = self._adapter_node(trial, kind)
+        head = attrs["safetensors_header"].encode("utf-8")
+        if data is None:   # written before packing: one array per tensor
+            g = self._adapter_group(trial, kind)
+            data = data_section(attrs["safetensors_header"],
+                                {n: _tensor_bytes(g[n][...], code)
+                                 for n, code in attrs["dtypes"].items()})
+        # the config as it came (stores made before that kept it parsed only: as the engine writes it)
+        config = attrs.get("adapter_config_json") or json.dumps(attrs["adapter_config"], indent=2) + "\n"
+        return {"adapters.safetensors": len(head).to_bytes(8, "little") + head + data,
+                "adapter_config.json": config.encode("utf-8")}
 
     # ================================================================ internals
 
@@ -301,12 +328,18 @@ class Stores:
                           path.with_name(path.name + "-shm")):
                     if p.exists():
                         private_file(p)
+                # before the first table: free pages can go back to the file system
+                # (a staging.db made without it keeps them, and works as before)
+                self._con.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 self._con.execute("PRAGMA journal_mode=WAL")
                 self._con.execute("PRAGMA synchronous=NORMAL")
+                self._con.execute(f"PRAGMA journal_size_limit={WAL_KEEP_BYTES}")
                 self._con.executescript(SCHEMA)
                 self._clear_temp()
                 self._writer = True
+                self._vacuums = self._con.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
                 self._prune_sealed()
+                self._give_back_pages()
             return self._con
 
     def _read(self, sql: str, args: tuple) -> list[tuple]:
@@ -351,9 +384,27 @@ class Stores:
             with _transaction(con):
                 con.execute("DELETE FROM events WHERE attempt = ?", (attempt,))
 
+    def _give_back_pages(self) -> None:
+        """Return staging.db's free pages to the file system once there are enough of
+        them, a bounded number per call (each one moved is a page written, under the
+        lock every ingest takes). The file itself shrinks at the WAL's next checkpoint."""
+        con = self._con
+        if self._vacuums and con.execute("PRAGMA freelist_count").fetchone()[0] >= VACUUM_PAGES:
+            # executescript: execute() steps the pragma once, and one step frees one page
+            con.executescript(f"PRAGMA incremental_vacuum({VACUUM_PAGES * 4});")
+
+    def _adapter_node(self, trial: str, kind: str) -> tuple[dict, bytes | None]:
+        """(attributes, data bytes) of an adapter; data None for the per-tensor layout."""
+        if not self.has_adapter(trial, kind):
+            raise KeyError(f"trial {trial}: no {kind} adapter in the stores")
+        path = self.root / _adapter_path(trial, kind)
+        attrs = node_attrs(path)
+        return attrs, (read_data(path) if "tensors" in attrs else None)
+
     def _adapter_group(self, trial: str, kind: str = "last"):
         if not self.has_adapter(trial, kind):
             raise KeyError(f"trial {trial}: no {kind} adapter in the stores")
+        zarr, LocalStore = _zarr()
         return zarr.open_group(store=LocalStore(self.root / _adapter_path(trial, kind),
                                                 read_only=True), mode="r")
 
@@ -420,6 +471,7 @@ class Stores:
         if not path.name.endswith(".zarr"):
             self._ensure_group(path.parent)
         tmp = self._temp("group")
+        zarr, LocalStore = _zarr()
         try:
             zarr.open_group(store=LocalStore(tmp), mode="w")
             _settle_tree(tmp)
@@ -503,36 +555,68 @@ def phase_peaks(events: list[dict]) -> tuple[np.ndarray, list[str], list[int]]:
 
 # ==================================================================== zarr nodes
 
-def write_files_group(folder: Path, files: dict[str, bytes], attrs: dict) -> None:
-    """A group holding each file's bytes as a uint8 array (a checkpoint folder)."""
-    arrays = []
-    for name in sorted(files):
-        blob = np.frombuffer(bytes(files[name]), dtype=np.uint8)
-        arrays.append((name, blob, (max(1, min(len(blob), CHUNK_BYTES)),)))
-    _write_group(folder, attrs, arrays)
+def write_packed_group(folder: Path, attrs: dict, parts: list[bytes],
+                       names: list[str] | None = None) -> None:
+    """A group holding `parts` back to back in one uint8 array, DATA (an adapter's
+    tensors, a checkpoint's files). With `names`, the attribute "packed" gives each
+    part's [begin, end) in it. One array, not one per tensor or file: each array is a
+    metadata file and a chunk file to write and fsync, and zarr round trips to make
+    it (an adapter of the demo model is 56 tensors)."""
+    blob = b"".join(parts)
+    if names is not None:
+        ends = list(itertools.accumulate(map(len, parts)))
+        attrs = {**attrs, "packed": {n: [e - len(p), e] for n, p, e in zip(names, parts, ends)}}
 
+    zarr, LocalStore = _zarr()
+    from zarr.core.sync import sync
 
-def write_tensors_group(folder: Path, tensors: dict, attrs: dict) -> None:
-    """A group holding one array per tensor (an adapter)."""
-    _write_group(folder, attrs, [(name, values, tuple(max(1, d) for d in shape))
-                                 for name, (code, shape, values) in tensors.items()])
-
-
-def _write_group(folder: Path, attrs: dict, arrays: list[tuple[str, np.ndarray, tuple]]) -> None:
-    """A group of (name, values, chunks) arrays, made together. zarr's synchronous calls
-    are each a round trip to its I/O loop (milliseconds apiece, and an adapter has
-    dozens of tensors, each created and then written); here every array is created
-    with its data in one batch on that loop."""
     async def build():
         g = await zarr.api.asynchronous.open_group(store=LocalStore(folder), mode="w",
                                                    attributes=attrs)
-        await asyncio.gather(*(g.create_array(name, data=values, chunks=chunks,
-                                              config=_EVERY_CHUNK)
-                               for name, values, chunks in arrays))
-    zarr_sync(build())
+        await g.create_array(DATA, data=np.frombuffer(blob, dtype=np.uint8),
+                             chunks=(max(1, min(len(blob), CHUNK_BYTES)),),
+                             compressors=None, config=_EVERY_CHUNK)
+    sync(build())
+
+
+def node_attrs(node: Path) -> dict:
+    """A zarr node's attributes, from its metadata file alone (zarr v3 keeps them in
+    zarr.json): no zarr round trip. FileNotFoundError when there is no node."""
+    with open(node / "zarr.json", "rb") as f:
+        return json.loads(f.read()).get("attributes", {})
+
+
+def read_data(node: Path) -> bytes:
+    """The bytes of a packed node's DATA array. As written here (one chunk, no
+    compression: zarr v3 keeps it at c/0 as it is) the chunk file is read straight,
+    without zarr, which takes longer to import than `segctl gather --best 10` to run."""
+    meta = json.loads((node / DATA / "zarr.json").read_bytes())
+    [size] = meta["shape"]
+    if (meta["data_type"] == "uint8" and [c["name"] for c in meta["codecs"]] == ["bytes"]
+            and meta["chunk_grid"]["configuration"]["chunk_shape"][0] >= size
+            and meta["chunk_key_encoding"] == {"name": "default",
+                                               "configuration": {"separator": "/"}}):
+        if size == 0:
+            return b""
+        blob = (node / DATA / "c" / "0").read_bytes()
+        if len(blob) == size:
+            return blob
+    zarr, LocalStore = _zarr()
+    a = zarr.open_array(store=LocalStore(node / DATA, read_only=True), mode="r")
+    return a[...].tobytes()
+
+
+def _zarr():
+    """zarr and its LocalStore, imported where first used: the readers of the CLI
+    (status, gather) mostly need none of it."""
+    import zarr
+    import zarr.api.asynchronous
+    from zarr.storage import LocalStore
+    return zarr, LocalStore
 
 
 def write_peaks_array(folder: Path, peaks: np.ndarray, attrs: dict) -> None:
+    zarr, LocalStore = _zarr()
     a = zarr.create_array(store=LocalStore(folder), shape=peaks.shape, dtype="float32",
                           chunks=(max(1, min(peaks.shape[0], 4096)), max(1, peaks.shape[1])),
                           fill_value=float("nan"), config=_EVERY_CHUNK, attributes=attrs)
@@ -542,45 +626,51 @@ def write_peaks_array(folder: Path, peaks: np.ndarray, attrs: dict) -> None:
 
 # ==================================================================== safetensors
 
-def read_safetensors(blob: bytes) -> tuple[str, dict[str, tuple[str, tuple, np.ndarray]]]:
-    """(header JSON text, name -> (dtype code, shape, values as stored in zarr)), in the
-    file's data order. BF16 values come widened to float32 (exact)."""
+def read_safetensors(blob: bytes) -> tuple[str, bytes, dict[str, tuple[str, tuple, tuple]]]:
+    """(header JSON text, data section, name -> (dtype code, shape, (begin, end) in the
+    data section)), in the file's data order, each tensor checked against its bytes.
+    Both texts are kept as they were: the file is rebuilt byte for byte from them."""
     blob = bytes(blob)
     header = safetensors_header(blob, "adapters.safetensors")
     n = int.from_bytes(blob[:8], "little")
-    header_text = blob[8:8 + n].decode("utf-8")   # kept as it was: the file is rebuilt byte for byte
+    header_text, data = blob[8:8 + n].decode("utf-8"), blob[8 + n:]
     header.pop("__metadata__", None)
-    base, tensors = 8 + n, {}
+    tensors = {}
     try:
         entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
         for name, h in entries:
             code, shape, (begin, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
             if code not in DTYPES:
                 raise ValueError(f"{name}: dtype {code} is not supported")
-            raw = blob[base + begin: base + end]
-            if len(raw) != end - begin or len(raw) != math.prod(shape) * _itemsize(code):
+            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= len(data)
+                    and end - begin == math.prod(shape) * _itemsize(code)):
                 raise ValueError(f"{name}: truncated or inconsistent data")
-            if code == "BF16":
-                values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-            else:
-                values = np.frombuffer(raw, dtype=DTYPES[code])
-            tensors[name] = (code, shape, values.reshape(shape))
+            tensors[name] = (code, shape, (begin, end))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"adapters.safetensors: {e}") from None
-    return header_text, tensors
+    return header_text, data, tensors
 
 
-def write_safetensors(header_text: str, raw: dict[str, bytes]) -> bytes:
-    """A safetensors file from its original header and each tensor's bytes."""
+def tensor_values(raw: bytes, code: str, shape) -> np.ndarray:
+    """A tensor's values from its safetensors bytes; BF16, which numpy lacks, widened
+    to float32 (exact)."""
+    if code == "BF16":
+        values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        values = np.frombuffer(raw, dtype=DTYPES[code]).copy()
+    return values.reshape(tuple(shape))
+
+
+def data_section(header_text: str, raw: dict[str, bytes]) -> bytes:
+    """A safetensors file's data section from its header and each tensor's bytes."""
     header = json.loads(header_text)
     header.pop("__metadata__", None)
-    head = header_text.encode("utf-8")
     size = max((h["data_offsets"][1] for h in header.values()), default=0)
     data = bytearray(size)
     for name, h in header.items():
         begin, end = h["data_offsets"]
         data[begin:end] = raw[name]
-    return len(head).to_bytes(8, "little") + head + bytes(data)
+    return bytes(data)
 
 
 def _tensor_bytes(values: np.ndarray, code: str) -> bytes:

@@ -107,7 +107,7 @@ TABLE_EVENT = {"steps": "step", "evals": "eval"}
 STAGING_DB = "staging.db"
 TELEMETRY = "telemetry"
 MEMORY_ZARR = "memory.zarr"       # <sweep>/<trial>/attempt-<id>: float32 [steps, phases]
-ADAPTERS_ZARR = "adapters.zarr"   # <trial>/adapter/<tensor>, <trial>/checkpoints/step-NNNNNNN/<file>
+ADAPTERS_ZARR = "adapters.zarr"   # <trial>/adapter/data, <trial>/checkpoints/step-NNNNNNN/data (packed)
 TEMP = ".staging"                 # temp builds, renamed into place; no reader lists it
 KEEP_CHECKPOINTS = 3
 

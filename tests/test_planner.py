@@ -288,8 +288,9 @@ def test_mlp_chunks_and_offload_lower_long_rows_only():
     disk = predict_gb(LLAMA_8B, mlp_chunk=4096, offload=True, **at)
     assert disk < cut < whole
     # 32 boundaries of 32K x 4096 bf16 go to disk, of which one is in memory while
-    # it is worked on and one more in flight: 30 of them are the difference
-    assert cut - disk == pytest.approx(30 * 32768 * 4096 * 2.75 / 1e9, rel=0.01)
+    # it is worked on (twice as it arrives), one more in flight and one of slack:
+    # 28 of them are the difference
+    assert cut - disk == pytest.approx(28 * 32768 * 4096 * 2.75 / 1e9, rel=0.01)
     # rows no longer than a chunk are planned as before
     short = dict(seq_len=2048, segment_size=1, attn_block=1024)
     assert predict_gb(LLAMA_8B, mlp_chunk=4096, **short) == predict_gb(LLAMA_8B, mlp_chunk=0,

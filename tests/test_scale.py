@@ -46,3 +46,10 @@ def test_simulated_fleet_runs_a_sweep_through_the_real_head(tmp_path):
     some = manifest[0]["trial"]
     assert (stores.parent / "all" / some / "adapters.safetensors").read_bytes() == \
         st.adapter_files(some)["adapters.safetensors"]
+
+
+def test_adapter_bench_files_one_adapter_as_four_files():
+    from bench.scale import adapter_cost
+    row = adapter_cost(n=2)   # it checks the bytes read back are the bytes put
+    assert row["tensors"] == 56 and row["demo_shape"]
+    assert row["files_per_adapter"] == 4   # the trial's group, the adapter's, its array and chunk

@@ -21,7 +21,7 @@ import pytest
 import zarr
 
 from segctl.orchestrator.gather import gather
-from segctl.orchestrator.stores import Stores
+from segctl.orchestrator.stores import SCHEMA, Stores, read_data
 from segctl.schemas import store_rows as sr
 from tests.conftest import cli_env
 
@@ -393,7 +393,10 @@ def test_checkpoints_round_trip_and_only_three_stay(tmp_path):
     g = zarr.open_group(root / sr.checkpoint_group("sw-1-t000", 40), mode="r")
     assert g.attrs["step"] == 40 and g.attrs["attempt"] == 3
     assert g.attrs["files"] == sorted(puts[40])
-    assert g["state.json"][:].tobytes() == puts[40]["state.json"]
+    # one array holds the files back to back; the attributes say where each is
+    assert [name for name, _ in g.members()] == ["data"]
+    begin, end = g.attrs["packed"]["state.json"]
+    assert g["data"][begin:end].tobytes() == puts[40]["state.json"]
     st.put_checkpoint("sw-1", "sw-1-t000", 3, 50, puts[50])     # re-delivered: no change
     assert Stores(root).latest_checkpoint("sw-1-t000") == (50, puts[50])
     assert st.latest_checkpoint("sw-1-t001") is None
@@ -434,6 +437,16 @@ def test_bf16_f16_f32_tensors_round_trip_bit_exact(tmp_path):
     stored = zarr.open_group(tmp_path / "stores" / sr.adapter_group("sw-1-t000"), mode="r")
     assert stored.attrs["dtypes"]["layers.0.lora_a"] == "BF16" and stored.attrs["attempt"] == 5
     assert stored.attrs["adapter_config"] == config
+    # one uint8 array: the tensors' bytes back to back, each one's place in the attributes
+    assert [name for name, _ in stored.members()] == ["data"] and stored["data"].dtype == np.uint8
+    b, e = stored.attrs["tensors"]["layers.0.lora_b"]["offsets"]
+    assert stored["data"][b:e].tobytes() == np.array(weights["layers.0.lora_b"]).tobytes()
+    assert stored.attrs["tensors"]["layers.0.lora_a"]["shape"] == [2, 103]
+    assert read_data(tmp_path / "stores" / sr.adapter_group("sw-1-t000")) == \
+        stored["data"][...].tobytes(), "the chunk read straight is what zarr reads"
+    compact = dict(files, **{"adapter_config.json": b'{"fine_tune_type":"lora"}'})
+    st.put_adapter("sw-1", "sw-1-t002", 5, compact)
+    assert st.adapter_files("sw-1-t002") == compact, "the config's own bytes, too"
     with pytest.raises(ValueError, match="missing"):
         st.put_adapter("sw-1", "sw-1-t001", 5, {"adapters.safetensors": files["adapters.safetensors"]})
     with pytest.raises(ValueError, match="adapters.safetensors"):
@@ -538,3 +551,104 @@ def test_gather_refuses_a_non_empty_out_and_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="no succeeded trial"):
         gather(st, trials, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ------------------------------------------------------------------ stores written before packing
+
+def put_per_tensor(root: Path, trial: str, kind_dir: str, files: dict[str, bytes], attempt: int,
+                   step: int | None = None, val_loss: float | None = None) -> None:
+    """An adapter as segctl wrote it before packing: one zarr array per tensor (BF16
+    widened to float32), the config parsed and the safetensors header in the attributes."""
+    blob = files["adapters.safetensors"]
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    header.pop("__metadata__", None)
+    numpy = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+    g = zarr.open_group(root / sr.ADAPTERS_ZARR / trial / kind_dir, mode="w", attributes=dict(
+        adapter_config=json.loads(files["adapter_config.json"]),
+        dtypes={k: h["dtype"] for k, h in header.items()},
+        safetensors_header=blob[8:8 + n].decode(), attempt=attempt, sweep="sw-1", trial=trial,
+        step=step, val_loss=val_loss))
+    for name, h in header.items():
+        b, e = h["data_offsets"]
+        values = np.frombuffer(blob[8 + n + b:8 + n + e], dtype=numpy[h["dtype"]])
+        if h["dtype"] == "BF16":
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        g.create_array(name, data=values.reshape(h["shape"]),
+                       chunks=tuple(max(1, d) for d in h["shape"]),
+                       config={"write_empty_chunks": True})
+
+
+def test_stores_written_one_array_per_tensor_still_read(tmp_path):
+    rng = np.random.default_rng(7)
+    bits16 = rng.integers(0, 1 << 16, 60, dtype=np.uint16)
+    weights = {"layers.0.lora_a": mx.array(bits16.reshape(6, 10)).view(mx.bfloat16),
+               "layers.0.lora_b": mx.array(rng.standard_normal((10, 4), dtype=np.float32)),
+               "layers.1.lora_a": mx.array(np.array([0.0, -0.0], np.float32))}
+    mx.save_safetensors(str(tmp_path / "a.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4}}
+    files = {"adapters.safetensors": (tmp_path / "a.safetensors").read_bytes(),
+             "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+    root = tmp_path / "stores"
+    Stores(root).put_adapter("sw-1", "sw-1-t009", 1, files)     # makes the store's groups
+    put_per_tensor(root, "sw-1-t000", "adapter", files, 2, step=30)
+    put_per_tensor(root, "sw-1-t000", "best_adapter", files, 2, step=20, val_loss=0.5)
+    ckpt = {"adapters.safetensors": files["adapters.safetensors"], "state.json": b'{"step": 30}',
+            "empty.bin": b""}
+    old = zarr.open_group(root / sr.checkpoint_group("sw-1-t000", 30), mode="w",
+                          attributes=dict(step=30, attempt=2, sweep="sw-1", trial="sw-1-t000",
+                                          files=sorted(ckpt)))
+    for name, blob in ckpt.items():
+        old.create_array(name, data=np.frombuffer(blob, dtype=np.uint8),
+                         chunks=(max(1, len(blob)),), config={"write_empty_chunks": True})
+
+    st = Stores(root)
+    for kind in ("last", "best"):
+        assert st.adapter_files("sw-1-t000", kind) == files
+        tensors, cfg = st.adapter("sw-1-t000", kind)
+        new, _ = st.adapter("sw-1-t009", kind="last")
+        assert cfg == config and set(tensors) == set(new) == set(weights)
+        assert all(tensors[k].dtype == new[k].dtype and tensors[k].tobytes() == new[k].tobytes()
+                   for k in weights), "the same arrays from either layout"
+    assert st.adapter_info("sw-1-t000") == {"attempt": 2, "step": 30, "val_loss": None}
+    assert st.adapter_info("sw-1-t000", "best") == {"attempt": 2, "step": 20, "val_loss": 0.5}
+    assert st.adapter_info("sw-1-t001") is None
+    assert st.latest_checkpoint("sw-1-t000") == (30, ckpt)
+    trials = [{"trial": "sw-1-t000", "state": "SUCCEEDED", "params": {}, "metrics": {}}]
+    out = gather(st, trials, tmp_path / "out", best=1)
+    assert (out / "sw-1-t000" / "adapters.safetensors").read_bytes() == files["adapters.safetensors"]
+    assert json.loads((out / "manifest.json").read_text())[0]["adapter"] == "best"
+
+
+# ------------------------------------------------------------------ staging.db size
+
+def test_staging_db_gives_pages_back_after_sealed_attempts_are_pruned(tmp_path):
+    root = tmp_path / "stores"
+    st = Stores(root)
+    pad = "x" * 2000     # events as big as a real batch's, so the attempts fill a few MB
+    events = {a: [dict(e, note=pad) for e in run_events(1, 300)] for a in range(1, 6)}
+    for a, evs in events.items():
+        st.ingest("sw-1", f"sw-1-t{a:03d}", a, evs)
+    size = lambda: sum(p.stat().st_size for p in root.glob(sr.STAGING_DB + "*"))
+    st._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    full = (root / sr.STAGING_DB).stat().st_size
+    assert full > 5e6, full
+    for a in range(1, 6):
+        st.seal_attempt("sw-1", f"sw-1-t{a:03d}", a, attempt_row(a, steps=300))
+    assert staging_rows(root) == 0
+    st._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert (root / sr.STAGING_DB).stat().st_size < full / 4, "the freed pages went back"
+    assert size() < full / 2
+    assert Stores(root).events(3) == events[3]
+
+    # a staging.db made without auto_vacuum keeps working (and keeps its size)
+    old = tmp_path / "old"
+    old.mkdir()
+    con = sqlite3.connect(old / sr.STAGING_DB)
+    con.executescript("PRAGMA journal_mode=WAL;" + SCHEMA)
+    con.close()
+    st = Stores(old)
+    st.ingest("sw-1", "sw-1-t001", 1, events[1])
+    st.seal_attempt("sw-1", "sw-1-t001", 1, attempt_row(1, steps=300))
+    assert staging_rows(old) == 0 and Stores(old).events(1) == events[1]
+    assert st._con.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
