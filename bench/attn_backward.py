@@ -1,11 +1,13 @@
 """The blocked attention backward alone at long context: one JSON row per repeat.
 
-    python -m bench.attn_backward --seq 128000 --block 256 [--reps 2]
+    python -m bench.attn_backward --seq 128000 --block 256 [--reps 2] [--tile 4096]
 
 q, k, v and the output's cotangent of one layer (Llama-3.1-8B's attention: 32
 query heads over 8 K/V heads of 128, bf16) at random, then
 `engine.attention.blocked_grads` under the engine's causal BlockMask of `block`
-rows, as a layer's backward calls it. A row: seconds, MLX's active, cache and
+rows, as a layer's backward calls it: each block through MLX's attention
+backward (`--tile 0`), or over more than `--tile` keys tile by tile
+(`attention.tiled_vjp`, with the attention's output computed first). A row: seconds, MLX's active, cache and
 peak memory after it, and on an NVIDIA GPU the device memory in use
 (nvidia-smi), which also counts what CUDA's memory pool keeps after MLX frees it.
 """
@@ -41,20 +43,31 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--tile", type=int, default=0,
+                   help="keys per tile of the tiled backward (0: MLX's backward per block)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     a = p.parse_args(argv)
     ks = mx.random.split(mx.random.key(0), 4)
     shape = lambda h: (1, h, a.seq, a.head_dim)
-    q, k, v, do = (mx.random.normal(shape(h), key=key).astype(mx.bfloat16)
+    dtype = getattr(mx, a.dtype)
+    q, k, v, do = (mx.random.normal(shape(h), key=key).astype(dtype)
                    for h, key in zip((a.heads, a.kv_heads, a.kv_heads, a.heads), ks))
-    mx.eval(q, k, v, do)
+    mask, scale = attention.BlockMask(rows=a.block), a.head_dim ** -0.5
+    delta = None
+    if a.tile:
+        attention.ATTN_KEY_TILE = a.tile
+        with attention.eager_blocks():
+            out = attention.attend(q, k, v, scale, mask)
+        delta = (do.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
+        del out
+    mx.eval(q, k, v, do, delta)
     mx.reset_peak_memory()
     for rep in range(a.reps):
-        row = dict(seq=a.seq, block=a.block, heads=a.heads, kv_heads=a.kv_heads,
-                   head_dim=a.head_dim, dtype="bfloat16", rep=rep, device=str(mx.default_device()))
+        row = dict(seq=a.seq, block=a.block, tile=a.tile, heads=a.heads, kv_heads=a.kv_heads,
+                   head_dim=a.head_dim, dtype=a.dtype, rep=rep, device=str(mx.default_device()))
         tic = time.perf_counter()
         try:
-            out = attention.blocked_grads(q, k, v, do, attention.BlockMask(rows=a.block),
-                                          a.head_dim ** -0.5, a.block)
+            out = attention.blocked_grads(q, k, v, do, mask, scale, a.block, delta=delta)
             mx.eval(out)
             del out
         except RuntimeError as e:

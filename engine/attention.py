@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from segctl.schemas.defaults import ATTN_KEY_TILE, ATTN_TILED_ABOVE
+
 # (MLX's CUDA attention cache sizes are set in segctl/__init__.py, before MLX loads.)
 
 
@@ -218,9 +220,18 @@ def eager_blocks():
         _EAGER[0] = saved
 
 
-def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None):
+def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None):
+    """(dq, dk, dv[, d sinks]) of attention(q, k, v) under `mask` with cotangent
+    d_out, `block` query rows at a time. On rows longer than ATTN_TILED_ABOVE,
+    `delta` (rowsum(d_out * out) in fp32, [B, H, L], out being the attention's
+    output) lets a block over more than ATTN_KEY_TILE keys run tile by tile
+    (`tiled_vjp`): memory for one tile of scores, but on the H200 a 128K row's
+    layer took 13 s there against 3.9 s through MLX's backward, which is why
+    shorter rows keep MLX's."""
     L, S = q.shape[2], k.shape[2]
-    dq_groups = []
+    # Each block's dq goes into its rows in place (the accumulator is evaluated and
+    # held once): joining the blocks at the end would hold dq twice.
+    dq = mx.zeros(q.shape, dtype=q.dtype)
     dk = mx.zeros(k.shape, dtype=mx.float32)
     dv = mx.zeros(v.shape, dtype=mx.float32)
     extra = [] if sinks is None else [sinks]
@@ -231,21 +242,90 @@ def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None):
     # (which keeps what MLX frees) grew past a 139 GB GPU at 128K tokens.
     for i in reversed(range(0, L, block)):
         j = min(i + block, L)
-        dq_groups.append([])
         for a, b, ranges, m in _block_parts(mask, i, j, L, S):
-            _, (dqb, dkb, dvb, *dsb) = mx.vjp(
-                lambda x, y, z, *s: [_sdpa(x, y, z, scale, m, s[0] if s else None)],
-                [q[:, :, a:b], _gather(k, ranges), _gather(v, ranges), *extra],
-                [d_out[:, :, a:b]])
+            keys = sum(hi - lo for lo, hi in ranges)
+            if delta is not None and not extra and L > ATTN_TILED_ABOVE and keys > ATTN_KEY_TILE:
+                dqb, dkb, dvb = tiled_vjp(q[:, :, a:b], _gather(k, ranges), _gather(v, ranges),
+                                          d_out[:, :, a:b], delta[:, :, a:b], scale, m)
+                dsb = []
+            else:
+                _, (dqb, dkb, dvb, *dsb) = mx.vjp(
+                    lambda x, y, z, *s: [_sdpa(x, y, z, scale, m, s[0] if s else None)],
+                    [q[:, :, a:b], _gather(k, ranges), _gather(v, ranges), *extra],
+                    [d_out[:, :, a:b]])
             dk = _add_ranges(dk, dkb, ranges)
             dv = _add_ranges(dv, dvb, ranges)
             d_sinks = [acc + g.astype(mx.float32) for acc, g in zip(d_sinks, dsb)]
-            mx.eval(dqb, dk, dv, d_sinks)
-            dq_groups[-1].append(dqb)
+            # The rows of the parts of a block do not overlap: adding to zeros is
+            # writing the block's dq as it is.
+            dq = dq.at[:, :, a:b].add(dqb)
+            del dqb
+            mx.eval(dq, dk, dv, d_sinks)
             _trim_cache()
-    dq_blocks = [dqb for group in reversed(dq_groups) for dqb in group]
-    return (mx.concatenate(dq_blocks, axis=2), dk.astype(k.dtype), dv.astype(v.dtype),
+    return (dq, dk.astype(k.dtype), dv.astype(v.dtype),
             *[g.astype(s.dtype) for g, s in zip(d_sinks, extra)])
+
+
+def tiled_vjp(q, k, v, d_out, delta, scale, mask):
+    """(dq, dk, dv) of softmax(q k^T scale + mask) v for one block of query rows,
+    its keys ATTN_KEY_TILE at a time: [heads, rows, tile] scores at most, where
+    MLX's attention backward holds [heads, rows, keys] (and does on Metal, and on
+    CUDA for a block over more keys than rows: 36 GB at 128K tokens and 1024 rows
+    of an 8B shape). The same arithmetic as that backward: scores in the inputs'
+    dtype, softmax and its gradient in fp32 (dS = P (dP - delta), delta =
+    rowsum(dO O)), a first pass for each row's log-sum-exp. mask: None, "causal"
+    (lower-right aligned) or a boolean array over [rows, keys]. Only k's heads are
+    looked up: the query heads sharing a K/V head go as one matrix (GQA)."""
+    B, H, R, d = q.shape
+    Hk, K = k.shape[1], k.shape[2]
+    G = H // Hk
+    f32 = mx.float32
+    qs = (q * scale).reshape(B, Hk, G * R, d)
+    do = d_out.reshape(B, Hk, G * R, d)
+    dl = delta.reshape(B, Hk, G * R, 1).astype(f32)
+    tiles = [(c, min(c + ATTN_KEY_TILE, K)) for c in range(0, K, ATTN_KEY_TILE)]
+    rows = mx.arange(R)
+
+    def scores(c0, c1):
+        s = (qs @ k[:, :, c0:c1].swapaxes(-1, -2)).astype(f32)
+        if isinstance(mask, str):  # row r sees key c iff c <= r + K - R
+            if c1 - 1 > K - R:
+                seen = mx.arange(c0, c1)[None, :] <= rows[:, None] + (K - R)
+                s = mx.where(mx.tile(seen, (G, 1)), s, -mx.inf)
+        elif mask is not None:
+            seen = mx.broadcast_to(mask[..., c0:c1], (B, H, R, c1 - c0))
+            s = mx.where(seen.reshape(B, Hk, G * R, c1 - c0), s, -mx.inf)
+        return s
+
+    # Pass 1: each row's log-sum-exp over its keys, a running max and sum.
+    top = total = None
+    for c0, c1 in tiles:
+        s = scores(c0, c1)
+        new = s.max(axis=-1, keepdims=True)
+        if top is not None:
+            new = mx.maximum(top, new)
+        base = mx.where(new == -mx.inf, 0, new)  # no key seen yet: no -inf - -inf
+        part = mx.exp(s - base).sum(axis=-1, keepdims=True)
+        total = part if top is None else total * mx.exp(top - base) + part
+        top = base
+        mx.eval(top, total)
+    lse = top + mx.log(total)
+    lse = mx.where(mx.isinf(lse), 0, lse)  # a row that sees no key: its P is all 0
+    # Pass 2: each tile's P, then dV, dP, dS and their share of dQ, dK.
+    dq = mx.zeros(qs.shape, f32)
+    dk = mx.zeros(k.shape, f32)
+    dv = mx.zeros(v.shape, f32)
+    for c0, c1 in tiles:
+        p = mx.exp(scores(c0, c1) - lse)
+        dv = dv.at[:, :, c0:c1].add((p.astype(v.dtype).swapaxes(-1, -2) @ do).astype(f32))
+        dp = (do @ v[:, :, c0:c1].swapaxes(-1, -2)).astype(f32)
+        ds = (p * (dp - dl)).astype(q.dtype)
+        del p, dp
+        dq = dq + ds @ k[:, :, c0:c1]
+        dk = dk.at[:, :, c0:c1].add((ds.swapaxes(-1, -2) @ qs).astype(f32))
+        del ds
+        mx.eval(dq, dk, dv)
+    return (dq * scale).reshape(B, H, R, d).astype(q.dtype), dk, dv
 
 
 # Each block's transients have their own sizes, which MLX's buffer cache keeps

@@ -23,7 +23,7 @@ import json
 import os
 import random
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -63,7 +63,6 @@ class Dataset:
     truncated: int = 0   # rows cut to max_seq_length (policy "truncate")
     skipped: int = 0     # rows dropped for length (policy "skip")
     path: str = ""
-    counts: dict = field(default_factory=dict)
 
     def __len__(self):
         return len(self.examples)
@@ -384,11 +383,8 @@ def _version(package: str) -> str:
 
 
 def _file_digest(path: Path) -> bytes:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.digest()
+        return hashlib.file_digest(f, "sha256").digest()
 
 
 def _entry(ds: Dataset) -> dict:

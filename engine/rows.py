@@ -34,10 +34,10 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from . import attention
-from .layer import _dropout_off
+from .layer import _dropout_off, same_cut, set_params
 
 
 class RunRope(nn.Module):
@@ -132,13 +132,20 @@ def _qkv(layer, call, h, mask, chunk):
     return q, k, v, attn.scale, mask
 
 
-def forward(layer, call, h, mask, chunk: int) -> mx.array:
-    """call(h, mask) (the layer's output) with every row-wise op `chunk` rows at a
-    time and attention as its mask blocks it; outside any transform."""
+def _attended(layer, call, h, mask, chunk):
+    """(q, k, v, scale, mask, o): P chunk by chunk, then attention in its blocks,
+    each evaluated as it is made."""
     q, k, v, scale, amask = _qkv(layer, call, h, mask, chunk)
     with attention.eager_blocks():
         o = attention.attend(q, k, v, scale, amask)
     mx.eval(o)
+    return q, k, v, scale, amask, o
+
+
+def forward(layer, call, h, mask, chunk: int) -> mx.array:
+    """call(h, mask) (the layer's output) with every row-wise op `chunk` rows at a
+    time and attention as its mask blocks it; outside any transform."""
+    q, k, v, _, _, o = _attended(layer, call, h, mask, chunk)
     del q, k, v
     outs = []
     for a, b in _spans(h.shape[1], chunk):
@@ -154,13 +161,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
     `values` are the layer's trainable parameters `names`; in chunks and blocks
     as `forward`. The layer's parameters are `values` again on return."""
     n = h.shape[1]
-    q, k, v, scale, amask = _qkv(layer, call, h, mask, chunk)
-    with attention.eager_blocks():
-        o = attention.attend(q, k, v, scale, amask)
-    mx.eval(o)
-
-    def with_params(p):
-        layer.update(tree_unflatten(list(zip(names, p))))
+    q, k, v, scale, amask, o = _attended(layer, call, h, mask, chunk)
 
     acc = None
 
@@ -168,29 +169,32 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
         nonlocal acc
         acc = list(dp) if acc is None else [s + g for s, g in zip(acc, dp)]
 
-    dhs, dos = [], []
+    dhs, dos, deltas = [], [], []
     try:
         # Q: each chunk's output from its rows of h and of o.
         for a, b in _spans(n, chunk):
             def q_part(x, oc, *p):
-                with_params(p)
+                set_params(layer, names, p)
                 with _chunk(layer, a, _Attn(oc)):
                     return call(x, mask)
             _, (dx, do, *dp) = mx.vjp(q_part, [h[:, a:b], o[:, :, a:b], *values],
                                       [d_out[:, a:b]])
             add(dp)
-            mx.eval(dx, do, acc)
+            # rowsum(dO O): what the attention backward needs of o, so o can go
+            deltas.append((do.astype(mx.float32) * o[:, :, a:b].astype(mx.float32)).sum(-1))
+            mx.eval(dx, do, acc, deltas[-1])
             dhs.append(dx)
             dos.append(do)
         del o
         do = mx.concatenate(dos, axis=2)
-        del dos
-        dq, dk, dv = attention.blocked_grads(q, k, v, do, amask, scale, block or n)
-        del q, k, v, do
+        delta = mx.concatenate(deltas, axis=2)
+        del dos, deltas
+        dq, dk, dv = attention.blocked_grads(q, k, v, do, amask, scale, block or n, delta=delta)
+        del q, k, v, do, delta
         # P: each chunk's q, k, v from its rows of h.
         for j, (a, b) in enumerate(_spans(n, chunk)):
             def p_part(x, *p):
-                with_params(p)
+                set_params(layer, names, p)
                 with _chunk(layer, a, _Attn()) as attn:
                     call(x, mask)
                 return list(attn.taken)
@@ -200,7 +204,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
             dhs[j] = dhs[j] + dx
             mx.eval(dhs[j], acc)
     finally:
-        with_params(values)
+        set_params(layer, names, values)
     return mx.concatenate(dhs, axis=1), acc
 
 
@@ -230,21 +234,13 @@ def rowwise(layer, call, dim: int, dtype, masks=("causal",)) -> bool:
 
 def _same_cut(layer, call, h, g, mask, names, values) -> bool:
     def whole(x, *p):
-        layer.update(tree_unflatten(list(zip(names, p))))
+        set_params(layer, names, p)
         return call(x, mask)
     try:
         ref, (rdh, *rdp) = mx.vjp(whole, [h, *values], [g])
         mx.eval(ref, rdh, rdp)
     finally:
-        layer.update(tree_unflatten(list(zip(names, values))))
+        set_params(layer, names, values)
     out = forward(layer, call, h, mask, 3)
     dh, dp = vjp(layer, call, h, mask, g, names, values, 3, 2)
-    return all(_close(a, b) for a, b in zip([ref[0], rdh, *rdp], [out, dh, *dp]))
-
-
-def _close(a, b) -> bool:
-    if a.shape != b.shape:
-        return False
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    scale = max(mx.max(mx.abs(a)).item(), 1e-6)
-    return bool(mx.max(mx.abs(a - b)).item() <= 1e-2 * scale)
+    return all(same_cut(a, b) for a, b in zip([ref[0], rdh, *rdp], [out, dh, *dp]))

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segctl.schemas.families import ROWWISE_FAMILIES
-from segctl.schemas.defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN,
-                              DEFAULT_MLP_CHUNK)
+from segctl.schemas.defaults import (ATTN_KEY_TILE, ATTN_TILED_ABOVE, DEFAULT_ATTN_BLOCK,
+                                     DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN, DEFAULT_MLP_CHUNK)
 from segctl.schemas.job import JobSpec
 from segctl.schemas.limits import check_model_config, read_model_config
 from segctl.schemas.records import Plan
@@ -362,7 +362,12 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # Attention in attn_block-row blocks, forward (the step's masks cut it so)
         # and backward; a row no longer than a block, whole.
         if 0 < attn_block < L - 1:
-            block = BLOCK_SCORES * info.heads * attn_block * L * a
+            # Past ATTN_TILED_ABOVE tokens a block's backward holds one tile of keys'
+            # scores, and its dK, dV in fp32 beside the row's sums.
+            tiled = L > ATTN_TILED_ABOVE
+            keys = min(L, ATTN_KEY_TILE) if tiled else L
+            block = (BLOCK_SCORES * info.heads * attn_block * keys * a
+                     + (2 * kv * F32 if tiled else 0))
             forward = FORWARD_SCORES * info.heads * attn_block * L * a
         else:
             block = (SAVED_SCORES + BACKWARD_SCORES) * scores

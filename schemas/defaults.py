@@ -12,6 +12,11 @@ DEFAULT_MAX_SEQ_LENGTH = 2048   # data.max_seq_length: tokens per row at most
 DEFAULT_HEAD_CHUNK = 512        # memory.head_chunk: token positions per loss-head chunk
 DEFAULT_ATTN_BLOCK = 2048       # memory.attn_block: query rows per attention-backward block
 DEFAULT_MLP_CHUNK = 4096        # memory.mlp_chunk: rows per MLP chunk on long rows
+# Not job knobs: on rows longer than ATTN_TILED_ABOVE tokens a query block's
+# attention backward runs ATTN_KEY_TILE keys at a time (engine/attention.py
+# tiled_vjp); the planner models the same.
+ATTN_KEY_TILE = 4096
+ATTN_TILED_ABOVE = 32768
 
 # ------------------------------------------------------------------ cluster.yaml
 

@@ -21,8 +21,13 @@ from tests.test_step import lora_model, random_example, worst_rel_error
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_mlp_chunks_and_offload_equal_plain(tiny_models, arch, tmp_path):
+@pytest.mark.parametrize("arch,tile", [("llama", None), ("qwen3", None), ("llama", 8)])
+def test_mlp_chunks_and_offload_equal_plain(tiny_models, arch, tile, tmp_path, monkeypatch):
+    """...and with attention's backward tile by tile over the keys (tile 8)."""
+    if tile:
+        from segctl.engine import attention
+        monkeypatch.setattr(attention, "ATTN_KEY_TILE", tile)
+        monkeypatch.setattr(attention, "ATTN_TILED_ABOVE", 16)
     model = lora_model(tiny_models[arch])
     parts = model_parts(model)
     assert all(names == ["mlp"] for names in parts.tokenwise)

@@ -155,6 +155,68 @@ def test_blocked_grads_equal_autodiff_under_the_dense_mask(split):
                     assert mx.allclose(a, b, atol=1e-5).item(), (w, s is None)
 
 
+def _causal_noise(n):
+    keep = mx.random.uniform(shape=(n, n), key=mx.random.key(5)) > 0.3
+    return mx.tril(keep) | mx.eye(n).astype(mx.bool_)
+
+
+@pytest.mark.parametrize("mask", ["causal", None, "causal-long-keys", "prefix", "window",
+                                  "array"])
+def test_the_tiled_backward_equals_autodiff(mask, monkeypatch):
+    """A block over more keys than ATTN_KEY_TILE runs tile by tile (scores for one
+    tile of keys at a time, a first pass for each row's log-sum-exp): the same
+    dq, dk, dv as autodiff of the attention, under every mask a block can have."""
+    from segctl.engine import attention
+    monkeypatch.setattr(attention, "ATTN_KEY_TILE", 5)
+    monkeypatch.setattr(attention, "ATTN_TILED_ABOVE", 8)
+    tiled = []
+    original = attention.tiled_vjp
+    monkeypatch.setattr(attention, "tiled_vjp", lambda *a: tiled.append(1) or original(*a))
+    n, keys = 37, 37
+    if mask == "causal-long-keys":
+        n, mask = 16, "causal"   # fewer rows than keys: "causal" is lower-right aligned
+    m = {"prefix": BlockMask(10, 20), "window": BlockMask(window=7),
+         "array": _causal_noise(n)}.get(mask, mask)
+    q, k, v = qkv(n, 4, 2, seed=3)
+    k, v = (qkv(keys, 4, 2, seed=4)[1:]) if keys != n else (k, v)
+    d_out = mx.random.normal(q.shape, key=mx.random.key(6))
+    out, ref = mx.vjp(lambda a, b, c: [attend(a, b, c, 0.3, m)], [q, k, v], [d_out])
+    delta = (d_out * out[0]).sum(-1)
+    for block in (4, 16):
+        got = blocked_grads(q, k, v, d_out, m, 0.3, block, delta=delta)
+        for a, b in zip(got, ref):
+            assert mx.allclose(a, b, atol=1e-5).item(), (mask, block)
+    assert tiled, "no block went tile by tile"
+    # rows no longer than ATTN_TILED_ABOVE keep MLX's backward per block
+    monkeypatch.setattr(attention, "ATTN_TILED_ABOVE", n)
+    tiled.clear()
+    blocked_grads(q, k, v, d_out, m, 0.3, 4, delta=delta)
+    assert not tiled
+
+
+def test_the_tiled_backward_holds_a_tile_of_scores(monkeypatch):
+    """At 2,048 keys, 512-row blocks and tiles of 256 keys, the tiled backward's
+    peak is a fraction of MLX's attention backward's, which holds [heads, rows,
+    keys] scores."""
+    from segctl.engine import attention
+    monkeypatch.setattr(attention, "ATTN_KEY_TILE", 256)
+    monkeypatch.setattr(attention, "ATTN_TILED_ABOVE", 1024)
+    n = 2048
+    q, k, v = qkv(n, 8, 2, seed=1, dim=16)
+    d_out = mx.random.normal(q.shape, key=mx.random.key(2))
+    out = attend(q, k, v, 0.25, "causal")
+    delta = (d_out * out).sum(-1)
+    mx.eval(q, k, v, d_out, delta)
+    peaks = []
+    for dl in (None, delta):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(blocked_grads(q, k, v, d_out, "causal", 0.25, 512, delta=dl))
+        peaks.append(mx.get_peak_memory() - base)
+    assert peaks[1] < 0.5 * peaks[0], peaks
+
+
 # ---------------------------------------------------------------- linear cost
 
 def spy_on_sdpa(monkeypatch):
