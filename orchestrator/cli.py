@@ -16,15 +16,15 @@ from pathlib import Path
 import click
 
 from segctl.schemas import SpecError
-from segctl.schemas import events as ev
 from segctl.schemas.defaults import DEFAULT_MARGIN, DEFAULT_NODE_MAX_TRIALS, DEFAULT_PORT
-from segctl.schemas.job import DEMO_ARCHS, METHODS
 from segctl.schemas.limits import MAX_TOKENS, MAX_TRIALS_PER_NODE, one_line
+# stdlib-only names: the CLI starts without loading pydantic (schemas/names.py)
+from segctl.schemas.names import DEMO_ARCHS, EXIT_BAD_INPUT, EXIT_INTERNAL, METHODS
 
 from . import views
 
 
-def _fail(message: str, code: int = ev.EXIT_BAD_INPUT):
+def _fail(message: str, code: int = EXIT_BAD_INPUT):
     click.echo(one_line(f"segctl: {message}"), err=True)
     sys.exit(code)
 
@@ -125,7 +125,7 @@ def _load(loader, path):
     except SpecError as e:
         for line in e.problems:
             click.echo(one_line(line), err=True)
-        sys.exit(ev.EXIT_BAD_INPUT)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 @main.command()
@@ -227,7 +227,7 @@ def _head(spec, *, start: bool):
         fleet.connect(spec, start=start)
         return get_head(_root(spec), create=True)
     except (ConnectionError, RuntimeError, TimeoutError) as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, ev.EXIT_INTERNAL)
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, EXIT_INTERNAL)
 
 
 def _knobs(spec) -> dict:
@@ -358,7 +358,7 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
     head = _head(spec, start=True)
     nodes = fleet.nodes()
     if not nodes:
-        _fail("no node of the fleet is up (segctl cluster status)", ev.EXIT_INTERNAL)
+        _fail("no node of the fleet is up (segctl cluster status)", EXIT_INTERNAL)
     req = tuning.request(tjob, info, seq_lens=lengths, sizes=sizes, nodes=nodes, root=root,
                          steps=steps, force=force)
     todo = sum(len(c["points"]) for c in req["classes"].values())
@@ -378,7 +378,7 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
               "again to measure the rest", 130)
     except ray.exceptions.RayError as e:   # the head went away under the tune
         _fail(f"{tid}: lost the head ({type(e).__name__}); the points measured so far are "
-              "kept; run the same command again to measure the rest", ev.EXIT_INTERNAL)
+              "kept; run the same command again to measure the rest", EXIT_INTERNAL)
     seconds = time.time() - tic
     margin = spec.planner.margin if spec else DEFAULT_MARGIN
     rows = measured.read_plan(root, req["model_key"])
@@ -704,7 +704,7 @@ def cluster_up(cluster_file, as_json: bool):
     try:
         info = fleet.up(spec)
     except (RuntimeError, OSError, TimeoutError) as e:
-        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+        _fail(str(e).splitlines()[0], EXIT_INTERNAL)
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:
@@ -724,7 +724,7 @@ def cluster_down(cluster_file):
     try:
         fleet.down(_cluster(cluster_file))
     except (RuntimeError, OSError) as e:
-        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+        _fail(str(e).splitlines()[0], EXIT_INTERNAL)
     click.echo("fleet down")
 
 
@@ -741,7 +741,7 @@ def cluster_status(cluster_file, as_json: bool):
     try:
         fleet.connect(spec, start=False)
     except (ConnectionError, RuntimeError) as e:
-        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+        _fail(str(e).splitlines()[0], EXIT_INTERNAL)
     running = {}
     db = _root(spec) / "state.db"
     if db.exists():
@@ -832,7 +832,7 @@ def node_start(is_head, address, name, memory_gb, chip, labels, max_trials, port
                                 token=sys.stdin.read().strip() if token_stdin else None, hw=hw,
                                 max_trials=max_trials)
     except (RuntimeError, OSError, TimeoutError, ValueError) as e:
-        _fail(str(e).splitlines()[0], ev.EXIT_INTERNAL)
+        _fail(str(e).splitlines()[0], EXIT_INTERNAL)
     click.echo(json.dumps(info))
 
 
@@ -866,7 +866,7 @@ def lab_up(n: int, root, as_json: bool):
     try:
         made = lablib.up(n, root or lablib.LAB_ROOT)
     except lablib.LabError as e:
-        _fail(str(e), ev.EXIT_INTERNAL)
+        _fail(str(e), EXIT_INTERNAL)
     if as_json:
         click.echo(json.dumps([{"name": h.name, "address": h.address, "home": str(h.home),
                                 "sshd_pid": h.sshd_pid} for h in made.hosts], indent=2))
@@ -884,7 +884,7 @@ def lab_down(root):
     try:
         lablib.down(root or lablib.LAB_ROOT)
     except lablib.LabError as e:
-        _fail(str(e), ev.EXIT_INTERNAL)
+        _fail(str(e), EXIT_INTERNAL)
     click.echo("lab down")
 
 

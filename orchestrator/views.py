@@ -11,7 +11,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from segctl.schemas.records import Outcome, SweepState, TrialState
+from segctl.schemas.states import Outcome, SweepState, TrialState
 
 # An attempt's outcome in the attempts column (the others as they are).
 SHORT = {Outcome.SUCCEEDED: "ok", Outcome.NODE_LOST: "lost", Outcome.INTERRUPTED: "intr",

@@ -10,6 +10,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from .names import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_OOM  # noqa: F401 (re-exported)
+
 
 class Event(BaseModel):
     time: float = Field(description="unix seconds")
@@ -109,5 +111,3 @@ class Probe(Event):
 
 AnyEvent = Union[Start, Step, Phase, Eval, Checkpoint, End, Error, Probe]
 
-# Exit codes of `segctl train`, so a supervisor can tell outcomes apart without parsing.
-EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_OOM = 0, 1, 2, 3

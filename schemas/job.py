@@ -12,14 +12,10 @@ from .defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_L
                        DEFAULT_MLP_CHUNK)
 from .limits import (MAX_HIDDEN, MAX_LAYERS, MAX_MEMORY_GB, MAX_NAME_CHARS, MAX_SEED, MAX_STEPS,
                      MAX_TOKENS, NAME_PATTERN, check_path)
+from .names import DEMO_ARCHS, METHODS  # noqa: F401 (re-exported)
 from .yamlspec import did_you_mean, load_yaml, validate
 
-Method = Literal["sft", "orpo", "dpo"]
-METHODS: tuple[str, ...] = Method.__args__
-
-# Architectures `segctl init-demo` can write (engine/demo.py builds each).
-DEMO_ARCHS = ("llama", "qwen3", "minicpm", "gemma", "gemma2", "gemma3_text", "gemma4_text",
-              "gpt_oss", "olmo3", "granite", "cohere")
+Method = Literal[METHODS]
 
 
 # A path a spec names: bounded in length, no control characters.

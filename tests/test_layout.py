@@ -103,3 +103,17 @@ def test_segctl_sizes_mlxs_attention_caches_before_mlx_loads(tmp_path):
     first = [l for l in (ROOT / "bench" / "engine.py").read_text().splitlines()
              if l.startswith(("import segctl", "import mlx"))]
     assert first[0].startswith("import segctl"), first
+
+
+def test_the_cli_starts_without_the_heavy_libraries(tmp_path):
+    """`segctl status`, `logs`, `gather` pay the CLI's start-up each time: its
+    module names states, methods and exit codes from stdlib-only schemas, and
+    loads pydantic, Ray, MLX and Arrow only in the commands that use them."""
+    code = ("import sys, segctl.orchestrator.cli; "
+            "print(' '.join(m for m in ('pydantic', 'ray', 'mlx', 'pyarrow', 'numpy', 'yaml') "
+            "if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [], proc.stdout
