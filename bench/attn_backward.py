@@ -54,8 +54,8 @@ def main(argv=None) -> None:
                    for h, key in zip((a.heads, a.kv_heads, a.kv_heads, a.heads), ks))
     mask, scale = attention.BlockMask(rows=a.block), a.head_dim ** -0.5
     delta = None
-    if a.tile:
-        attention.ATTN_KEY_TILE = a.tile
+    if a.tile:   # at any length, not only past the engine's ATTN_TILED_ABOVE
+        attention.ATTN_KEY_TILE, attention.ATTN_TILED_ABOVE = a.tile, 0
         with attention.eager_blocks():
             out = attention.attend(q, k, v, scale, mask)
         delta = (do.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
