@@ -128,7 +128,6 @@ def run(args) -> dict:
     opt = make_optimizer(1e-5)
     phases: list[tuple[str, float]] = []
     clock: list[float] = []  # each phase's end, seconds into the step (the last step's)
-    clock_start = [time.perf_counter()]
 
     p, r = args.seq // 2, args.seq - args.seq // 2
     pair = PreferenceExample(ids[:p], ids[p:], mx.random.randint(0, args.vocab, (r,)).tolist())
@@ -155,7 +154,7 @@ def run(args) -> dict:
                 phases.append((label, mx.get_peak_memory() / 1e9))
                 clock.append(time.perf_counter())
                 # also as it happens, so a step cut short still shows how far it got
-                print(f"phase {label} {clock[-1] - clock_start[0]:.1f}s peak "
+                print(f"phase {label} {clock[-1] - starts:.1f}s peak "
                       f"{phases[-1][1]:.2f} GB active {mx.get_active_memory() / 1e9:.2f} GB",
                       file=sys.stderr, flush=True)
             loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=args.head_chunk,
@@ -173,11 +172,9 @@ def run(args) -> dict:
         clock.clear()
         mx.clear_cache()
         mx.reset_peak_memory()
-        tic = time.perf_counter()
-        clock_start[0] = tic
+        starts = time.perf_counter()
         loss = do_step()
-        times.append(time.perf_counter() - tic)
-        starts = tic
+        times.append(time.perf_counter() - starts)
         peaks.append(mx.get_peak_memory() / 1e9)
         losses.append(loss.item())
     row = {

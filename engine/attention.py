@@ -48,6 +48,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -220,6 +221,12 @@ def eager_blocks():
         _EAGER[0] = saved
 
 
+def tiles_keys(L: int) -> bool:
+    """Whether a row of L tokens takes its attention backward tile by tile over
+    the keys (`tiled_vjp`), so its layer must hand `blocked_grads` the delta."""
+    return L > ATTN_TILED_ABOVE
+
+
 def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None):
     """(dq, dk, dv[, d sinks]) of attention(q, k, v) under `mask` with cotangent
     d_out, `block` query rows at a time. On rows longer than ATTN_TILED_ABOVE,
@@ -232,8 +239,8 @@ def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None):
     # Each block's dq goes into its rows in place (the accumulator is evaluated and
     # held once): joining the blocks at the end would hold dq twice.
     dq = mx.zeros(q.shape, dtype=q.dtype)
-    dk = mx.zeros(k.shape, dtype=mx.float32)
-    dv = mx.zeros(v.shape, dtype=mx.float32)
+    # dK, dV summed in fp32; held by this list alone, so each add is in place
+    sums = [mx.zeros(k.shape, dtype=mx.float32), mx.zeros(v.shape, dtype=mx.float32)]
     extra = [] if sinks is None else [sinks]
     d_sinks = [mx.zeros(s.shape, dtype=mx.float32) for s in extra]
     # Last block first: a causal block's keys (and so its transients) shrink with
@@ -244,30 +251,33 @@ def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None):
         j = min(i + block, L)
         for a, b, ranges, m in _block_parts(mask, i, j, L, S):
             keys = sum(hi - lo for lo, hi in ranges)
-            if delta is not None and not extra and L > ATTN_TILED_ABOVE and keys > ATTN_KEY_TILE:
-                dqb, dkb, dvb = tiled_vjp(q[:, :, a:b], _gather(k, ranges), _gather(v, ranges),
-                                          d_out[:, :, a:b], delta[:, :, a:b], scale, m)
-                dsb = []
+            if delta is not None and not extra and tiles_keys(L) and keys > ATTN_KEY_TILE:
+                dqb = tiled_vjp(q[:, :, a:b], _gather(k, ranges), _gather(v, ranges),
+                                d_out[:, :, a:b], delta[:, :, a:b], scale, m, sums, ranges)
             else:
                 _, (dqb, dkb, dvb, *dsb) = mx.vjp(
                     lambda x, y, z, *s: [_sdpa(x, y, z, scale, m, s[0] if s else None)],
                     [q[:, :, a:b], _gather(k, ranges), _gather(v, ranges), *extra],
                     [d_out[:, :, a:b]])
-            dk = _add_ranges(dk, dkb, ranges)
-            dv = _add_ranges(dv, dvb, ranges)
-            d_sinks = [acc + g.astype(mx.float32) for acc, g in zip(d_sinks, dsb)]
+                sums[0] = _add_ranges(sums[0], dkb, ranges)
+                sums[1] = _add_ranges(sums[1], dvb, ranges)
+                d_sinks = [acc + g.astype(mx.float32) for acc, g in zip(d_sinks, dsb)]
+                del dkb, dvb
             # The rows of the parts of a block do not overlap: adding to zeros is
             # writing the block's dq as it is.
             dq = dq.at[:, :, a:b].add(dqb)
             del dqb
-            mx.eval(dq, dk, dv, d_sinks)
+            mx.eval(dq, sums, d_sinks)
             _trim_cache()
+    dk, dv = sums
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype),
             *[g.astype(s.dtype) for g, s in zip(d_sinks, extra)])
 
 
-def tiled_vjp(q, k, v, d_out, delta, scale, mask):
-    """(dq, dk, dv) of softmax(q k^T scale + mask) v for one block of query rows,
+def tiled_vjp(q, k, v, d_out, delta, scale, mask, sums, ranges):
+    """dq of softmax(q k^T scale + mask) v for one block of query rows, its dk and
+    dv added into sums = [dK, dV] (fp32, over the row's keys, of which k and v are
+    `ranges`),
     its keys ATTN_KEY_TILE at a time: [heads, rows, tile] scores at most, where
     MLX's attention backward holds [heads, rows, keys] (and does on Metal, and on
     CUDA for a block over more keys than rows: 36 GB at 128K tokens and 1024 rows
@@ -275,7 +285,12 @@ def tiled_vjp(q, k, v, d_out, delta, scale, mask):
     dtype, softmax and its gradient in fp32 (dS = P (dP - delta), delta =
     rowsum(dO O)), a first pass for each row's log-sum-exp. mask: None, "causal"
     (lower-right aligned) or a boolean array over [rows, keys]. Only k's heads are
-    looked up: the query heads sharing a K/V head go as one matrix (GQA)."""
+    looked up: the query heads sharing a K/V head go as one matrix (GQA).
+
+    Each tile is one compiled function: eager, its element-wise steps read and
+    wrote the fp32 tile of scores about ten times; fused, they need not. The tile's
+    dK, dV go straight into `sums` (in place: nothing else holds them), not into a
+    block-sized pair first."""
     B, H, R, d = q.shape
     Hk, K = k.shape[1], k.shape[2]
     G = H // Hk
@@ -283,49 +298,79 @@ def tiled_vjp(q, k, v, d_out, delta, scale, mask):
     qs = (q * scale).reshape(B, Hk, G * R, d)
     do = d_out.reshape(B, Hk, G * R, d)
     dl = delta.reshape(B, Hk, G * R, 1).astype(f32)
+    # row r sees key c iff c <= r + K - R ("causal" is lower-right aligned)
+    last = mx.tile(mx.arange(R) + (K - R), (G,)) if isinstance(mask, str) else None
+
+    def masking(c0, c1):
+        """The mode of a tile's mask and its array inputs."""
+        if isinstance(mask, str):
+            return ("causal", (mx.arange(c0, c1), last)) if c1 - 1 > K - R else ("none", ())
+        if mask is None:
+            return "none", ()
+        seen = mx.broadcast_to(mask[..., c0:c1], (B, H, R, c1 - c0))
+        return "array", (seen.reshape(B, Hk, G * R, c1 - c0),)
+
     tiles = [(c, min(c + ATTN_KEY_TILE, K)) for c in range(0, K, ATTN_KEY_TILE)]
-    rows = mx.arange(R)
-
-    def scores(c0, c1):
-        s = (qs @ k[:, :, c0:c1].swapaxes(-1, -2)).astype(f32)
-        if isinstance(mask, str):  # row r sees key c iff c <= r + K - R
-            if c1 - 1 > K - R:
-                seen = mx.arange(c0, c1)[None, :] <= rows[:, None] + (K - R)
-                s = mx.where(mx.tile(seen, (G, 1)), s, -mx.inf)
-        elif mask is not None:
-            seen = mx.broadcast_to(mask[..., c0:c1], (B, H, R, c1 - c0))
-            s = mx.where(seen.reshape(B, Hk, G * R, c1 - c0), s, -mx.inf)
-        return s
-
     # Pass 1: each row's log-sum-exp over its keys, a running max and sum.
-    top = total = None
+    top = mx.full((B, Hk, G * R, 1), -mx.inf, dtype=f32)
+    total = mx.zeros(top.shape, dtype=f32)
     for c0, c1 in tiles:
-        s = scores(c0, c1)
-        new = s.max(axis=-1, keepdims=True)
-        if top is not None:
-            new = mx.maximum(top, new)
-        base = mx.where(new == -mx.inf, 0, new)  # no key seen yet: no -inf - -inf
-        part = mx.exp(s - base).sum(axis=-1, keepdims=True)
-        total = part if top is None else total * mx.exp(top - base) + part
-        top = base
+        mode, m = masking(c0, c1)
+        top, total = _tile_fns(mode)[0](qs, k[:, :, c0:c1], top, total, *m)
         mx.eval(top, total)
-    lse = top + mx.log(total)
-    lse = mx.where(mx.isinf(lse), 0, lse)  # a row that sees no key: its P is all 0
+    # A row that sees no key: total 0, so its P is all 0 with any finite lse.
+    lse = mx.where(total > 0, top + mx.log(total), 0)
     # Pass 2: each tile's P, then dV, dP, dS and their share of dQ, dK.
     dq = mx.zeros(qs.shape, f32)
-    dk = mx.zeros(k.shape, f32)
-    dv = mx.zeros(v.shape, f32)
     for c0, c1 in tiles:
-        p = mx.exp(scores(c0, c1) - lse)
-        dv = dv.at[:, :, c0:c1].add((p.astype(v.dtype).swapaxes(-1, -2) @ do).astype(f32))
-        dp = (do @ v[:, :, c0:c1].swapaxes(-1, -2)).astype(f32)
-        ds = (p * (dp - dl)).astype(q.dtype)
-        del p, dp
-        dq = dq + ds @ k[:, :, c0:c1]
-        dk = dk.at[:, :, c0:c1].add((ds.swapaxes(-1, -2) @ qs).astype(f32))
-        del ds
-        mx.eval(dq, dk, dv)
-    return (dq * scale).reshape(B, H, R, d).astype(q.dtype), dk, dv
+        mode, m = masking(c0, c1)
+        dqt, dkt, dvt = _tile_fns(mode)[1](qs, k[:, :, c0:c1], v[:, :, c0:c1], do, dl, lse, *m)
+        dq = dq + dqt
+        at = _sub_ranges(ranges, c0, c1)
+        sums[0] = _add_ranges(sums[0], dkt, at)
+        sums[1] = _add_ranges(sums[1], dvt, at)
+        del dqt, dkt, dvt
+        mx.eval(dq, sums)
+    return (dq * scale).reshape(B, H, R, d).astype(q.dtype)
+
+
+def _sub_ranges(ranges, c0, c1):
+    """The row's key ranges that keys [c0, c1) of the gathered `ranges` are."""
+    out, at = [], 0
+    for a, b in ranges:
+        lo, hi = max(c0, at), min(c1, at + b - a)
+        if lo < hi:
+            out.append((a + lo - at, a + hi - at))
+        at += b - a
+    return out
+
+
+@lru_cache(maxsize=None)
+def _tile_fns(mode: str):
+    """(log-sum-exp step, gradients) of one tile, compiled once per mask mode
+    (and by MLX per shape: a block's tiles share one, but for its last)."""
+    f32 = mx.float32
+
+    def scores(qs, kt, m):
+        s = (qs @ kt.swapaxes(-1, -2)).astype(f32)
+        if mode == "causal":
+            cols, last = m
+            return mx.where(cols[None, :] <= last[:, None], s, -mx.inf)
+        return mx.where(m[0], s, -mx.inf) if mode == "array" else s
+
+    def lse_step(qs, kt, top, total, *m):
+        s = scores(qs, kt, m)
+        new = mx.maximum(top, s.max(axis=-1, keepdims=True))
+        base = mx.where(new == -mx.inf, 0, new)  # no key seen yet: no -inf - -inf
+        return new, total * mx.exp(top - base) + mx.exp(s - base).sum(axis=-1, keepdims=True)
+
+    def grads(qs, kt, vt, do, dl, lse, *m):
+        p = mx.exp(scores(qs, kt, m) - lse)
+        dv = (p.astype(vt.dtype).swapaxes(-1, -2) @ do).astype(f32)
+        ds = (p * ((do @ vt.swapaxes(-1, -2)).astype(f32) - dl)).astype(qs.dtype)
+        return ds @ kt, (ds.swapaxes(-1, -2) @ qs).astype(f32), dv
+
+    return mx.compile(lse_step), mx.compile(grads)
 
 
 # Each block's transients have their own sizes, which MLX's buffer cache keeps

@@ -170,6 +170,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
         acc = list(dp) if acc is None else [s + g for s, g in zip(acc, dp)]
 
     dhs, dos, deltas = [], [], []
+    tiled = attention.tiles_keys(n)
     try:
         # Q: each chunk's output from its rows of h and of o.
         for a, b in _spans(n, chunk):
@@ -180,14 +181,14 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
             _, (dx, do, *dp) = mx.vjp(q_part, [h[:, a:b], o[:, :, a:b], *values],
                                       [d_out[:, a:b]])
             add(dp)
-            # rowsum(dO O): what the attention backward needs of o, so o can go
-            deltas.append((do.astype(mx.float32) * o[:, :, a:b].astype(mx.float32)).sum(-1))
-            mx.eval(dx, do, acc, deltas[-1])
+            if tiled:  # rowsum(dO O): what the tiled backward needs of o, so o can go
+                deltas.append((do.astype(mx.float32) * o[:, :, a:b].astype(mx.float32)).sum(-1))
+            mx.eval(dx, do, acc, deltas)
             dhs.append(dx)
             dos.append(do)
         del o
         do = mx.concatenate(dos, axis=2)
-        delta = mx.concatenate(deltas, axis=2)
+        delta = mx.concatenate(deltas, axis=2) if tiled else None
         del dos, deltas
         dq, dk, dv = attention.blocked_grads(q, k, v, do, amask, scale, block or n, delta=delta)
         del q, k, v, do, delta

@@ -365,7 +365,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
             # Past ATTN_TILED_ABOVE tokens a block's backward holds one tile of keys'
             # scores, and its dK, dV in fp32 beside the row's sums.
             tiled = L > ATTN_TILED_ABOVE
-            keys = min(L, ATTN_KEY_TILE) if tiled else L
+            keys = ATTN_KEY_TILE if tiled else L
             block = (BLOCK_SCORES * info.heads * attn_block * keys * a
                      + (2 * kv * F32 if tiled else 0))
             forward = FORWARD_SCORES * info.heads * attn_block * L * a

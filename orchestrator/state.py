@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from segctl.node.raynode import private_dir, private_file
-from segctl.schemas.records import (ATTEMPT_MOVES, MOVES, TERMINAL, TUNE_MOVES, TUNE_TERMINAL,
+from segctl.schemas.states import (ATTEMPT_MOVES, MOVES, TERMINAL, TUNE_MOVES, TUNE_TERMINAL,
                              AttemptStatus, Outcome, SweepState, TrialState, TuneState)
 
 # Version 1: the schema before versions existed, as it was (tests/fixtures/state_v1.sql).
