@@ -7,7 +7,8 @@
 - makespan: wall time of a sweep of short trials against the ideal, the total
   work (sum of attempt durations) divided by K.
 - ingest: step rows per second through the collector, both the stores' write
-  path alone and through the running head actor over Ray (batches as agents send).
+  path alone and through the running head actor over Ray (batches as agents send:
+  one agent, then K at once, each waiting for its last batch's answer).
 
 Targets: dispatch < 1 s, makespan <= 1.15x ideal, >= 50,000 rows/s.
 """
@@ -113,14 +114,17 @@ def bench_fleet(nodes: int, trials: int, iters: int, rows: int, batch: int, port
                 makespan_s=round(makespan, 3), ideal_s=round(ideal, 3),
                 ratio=round(makespan / ideal, 4), mean_trial_s=round(work / len(attempts), 3),
                 submit_wall_s=round(wall, 3), target_ratio=1.15)
-            bench_ingest_head(d, attempts[0]["attempt"], rows, batch)
+            for senders in sorted({1, nodes}):   # one agent sending, and the whole fleet
+                bench_ingest_head(d, attempts[0]["attempt"], rows, batch, senders)
         finally:
             segctl("cluster", "down", d / "cluster.yaml")
 
 
-def bench_ingest_head(d: Path, aid: int, rows: int, batch: int) -> None:
+def bench_ingest_head(d: Path, aid: int, rows: int, batch: int, senders: int) -> None:
     """Batches sent to the real head actor over Ray, as node agents send them (into
-    a finished attempt of the bench's own throw-away stores, after its own rows)."""
+    a finished attempt of the bench's own throw-away stores, after its own rows):
+    `senders` batches in flight at once, as that many agents each wait for their
+    last batch's answer before sending the next."""
     code = f"""
 import json, sys, time, ray
 sys.path.insert(0, {str(ROOT)!r})
@@ -133,8 +137,12 @@ fleet.connect(spec, start=False)
 head = get_head(fleet.stores_root(spec), create=False)
 events = step_events({rows}, seq0=1_000_000)
 tic = time.perf_counter()
+inflight = []
 for i in range(0, {rows}, {batch}):
-    ray.get(head.ingest.remote({aid}, events[i:i + {batch}]))
+    inflight.append(head.ingest.remote({aid}, events[i:i + {batch}]))
+    if len(inflight) >= {senders}:
+        ray.get(inflight.pop(0))
+ray.get(inflight)
 print(json.dumps(time.perf_counter() - tic))
 """
     from tests.conftest import cli_env
@@ -143,7 +151,7 @@ print(json.dumps(time.perf_counter() - tic))
     if p.returncode:
         sys.exit(f"head ingest failed: {p.stderr[-2000:]}")
     secs = json.loads(p.stdout.strip().splitlines()[-1])
-    row(bench="ingest", path="head actor over Ray", rows=rows, batch=batch,
+    row(bench="ingest", path="head actor over Ray", rows=rows, batch=batch, senders=senders,
         seconds=round(secs, 3), rows_per_s=round(rows / secs), target_rows_per_s=50000)
 
 

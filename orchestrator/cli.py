@@ -430,7 +430,7 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
     """Show the sweep until it stops running; the exit code says how it went."""
     import time as _time
     from segctl.orchestrator import state
-    from segctl.schemas.records import SweepState, TrialState
+    from segctl.schemas.states import SweepState, TrialState
     db = state.read(root / "state.db")
     seen = 0
     live = None
@@ -507,7 +507,7 @@ def _watch(root: Path, sweep, interval: float, count, until_done: bool, as_json:
     """`status --watch`: a snapshot every `interval` s, live on a terminal, else JSON lines."""
     from segctl.orchestrator import report
     from segctl.orchestrator.stores import Stores
-    from segctl.schemas.records import SweepState
+    from segctl.schemas.states import SweepState
     memo, stores = report.new_memo(), Stores(root)
     try:
         db = report.open_db(root)
@@ -608,7 +608,7 @@ def resume(sweep, cluster_file, detach: bool, as_json: bool):
         info = ray.get(head.resume.remote(sweep))
     except ray.exceptions.RayTaskError as e:
         _fail(str(getattr(e, "cause", e)).strip("'\""))
-    from segctl.schemas.records import SweepState
+    from segctl.schemas.states import SweepState
     click.echo(f"sweep {sweep}: {info['state'].lower()}, {info['unfinished']} unfinished trial(s)",
                err=True)
     if not detach and info["state"] == SweepState.RUNNING:
@@ -632,7 +632,7 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     the sha256 of every file."""
     from segctl.orchestrator.gather import gather as do_gather
     from segctl.orchestrator.stores import Stores
-    from segctl.schemas.records import TrialState
+    from segctl.schemas.states import TrialState
     if best is not None and best < 1:
         _fail("--best: must be at least 1")
     root = _root(_cluster(cluster_file))

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from segctl.schemas.atomic import fsync_dir
-from segctl.schemas.records import TrialState
+from segctl.schemas.states import TrialState
 
 from .stores import Stores
 
