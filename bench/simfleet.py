@@ -12,7 +12,7 @@ A simulated attempt answers like node/attempt.py's `run_attempt`: it reports its
 start (`head.started`), sends the engine's events (schemas/events.py: start; per
 step a `step` and a `phase` event; `eval` every eval_every; `checkpoint` events
 followed by the checkpoint's files as the engine writes them; `end`) in batches of
-FLUSH_ROWS or every FLUSH_S, then the `adapter` event, and returns an
+FLUSH_ROWS or every `flush_s` (the head's pace), then the `adapter` event, and returns an
 AttemptResult with the adapter (and the best eval's) as safetensors bytes shaped
 for the job's model and LoRA. Only the engine is fake: its steps take `step_s`
 each and its numbers are made up.
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from segctl.node.attempt import FLUSH_ROWS, FLUSH_S
+from segctl.node.attempt import FLUSH_ROWS
 from segctl.orchestrator.head import Controller, Head
 from segctl.schemas import events as ev
 from segctl.schemas.records import AttemptResult, AttemptSpec, NodeInfo
@@ -221,10 +221,10 @@ class SimHost:
         add(engine.start(total, spec.checkpoint_step))
         t0, last_flush, step = time.monotonic(), time.monotonic(), first - 1
         while step < total and aid not in self.cancelled:
-            # the engine runs at its pace; the agent forwards every FLUSH_S or FLUSH_ROWS
-            per_flush = max(1, min(int(FLUSH_S / self.step_s), FLUSH_ROWS // 2))
+            # the engine runs at its pace; the agent forwards every spec.flush_s or FLUSH_ROWS
+            per_flush = max(1, min(int(spec.flush_s / self.step_s), FLUSH_ROWS // 2))
             wake = t0 + (step - first + 1 + per_flush) * self.step_s
-            await asyncio.sleep(max(0.0, min(wake, last_flush + FLUSH_S) - time.monotonic()))
+            await asyncio.sleep(max(0.0, min(wake, last_flush + spec.flush_s) - time.monotonic()))
             due = min(total, first - 1 + int((time.monotonic() - t0) / self.step_s))
             while step < due:
                 step += 1
@@ -241,7 +241,7 @@ class SimHost:
                     await flush()   # telemetry up to the checkpoint first, as the real agent
                     await head.checkpoint.remote(aid, step, engine.checkpoint(step, best[0]))
                     last_flush = time.monotonic()
-            if len(batch) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
+            if len(batch) >= FLUSH_ROWS or time.monotonic() - last_flush >= spec.flush_s:
                 await flush()
                 last_flush = time.monotonic()
         ended = time.time()

@@ -36,8 +36,7 @@ from .raynode import private_dir, private_file
 
 DATA_CACHE = "data-cache"   # beside the attempt folders of a node: tokenized data sets
 DRAIN_S = 5          # seconds the worker's stderr gets to drain once it has exited
-FLUSH_S = 0.5        # forward telemetry at least this often while events arrive
-FLUSH_ROWS = 500     # ... or when this many are waiting
+FLUSH_ROWS = 500     # forward telemetry when this many are waiting, or every spec.flush_s
 KEEP_FAILED = 3      # folders of attempts that did not succeed, kept per node for debugging
 OUTCOME_FILE = "outcome.json"   # in a kept folder: how its attempt ended
 
@@ -142,7 +141,7 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
             if files is not None:   # None: pruned by the engine already, a newer one follows
                 send_checkpoint(event["step"], files)
         elif kind == "eval" or len(batch) >= FLUSH_ROWS or \
-                time.monotonic() - last_flush >= FLUSH_S:
+                time.monotonic() - last_flush >= spec.flush_s:
             # An eval goes at once: at an ASHA rung it decides whether the trial goes
             # on, and the attempt trains on (paying node time) until the head hears it.
             flush()

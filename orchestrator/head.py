@@ -39,7 +39,8 @@ from pydantic import ValidationError
 from segctl.node import models
 from segctl.node.raynode import private_dir
 from segctl.schemas.atomic import write_atomic
-from segctl.schemas.defaults import DEFAULT_MARGIN, DEFAULT_MLP_CHUNK, DEFAULT_SCALE
+from segctl.schemas.defaults import (DEFAULT_MARGIN, DEFAULT_MLP_CHUNK, DEFAULT_SCALE, TELEMETRY_CALLS_PER_S,
+                                     TELEMETRY_FLUSH_S)
 from segctl.schemas.job import JobSpec
 from segctl.schemas.records import (OUTCOME_MOVES, TERMINAL, AttemptResult, AttemptSpec,
                                     AttemptStatus, NodeInfo, Outcome, ProbeSpec, SweepState,
@@ -56,6 +57,8 @@ LOG_BYTES, LOG_KEEP = 1 << 20, 3      # head.log rotates at 1 MiB, three old one
 NAMESPACE = "segctl"
 TICK_S = 0.2
 FILE_S = 0.5          # a turn files ended attempts for this long at most, then places again
+WAITING_WHOLE_UPTO = 2000  # pending trials whose reasons to wait are written every turn
+WAITING_EVERY_S = 1.0  # past that, why every pending trial waits is written this often
 NODES_EVERY_S = 1.0
 # Ray's ways of saying "the worker or node that held this attempt is gone".
 LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
@@ -93,6 +96,7 @@ class Controller:
         self.trackers = HeadStreams(self.root, self.log)   # report_to: a thread of its own
         self.wake = threading.Event()          # set by requests that may make work runnable
         self.waiting = self.state.waiting()    # trial -> why it waits, as state.db has it
+        self.waiting_noted = (float("-inf"), None)   # (when, (sweeps, nodes)) all were last
         self.recover()
 
     # ------------------------------------------------------------ requests
@@ -403,6 +407,13 @@ class Controller:
         held = self.held.get(n.name, {})
         return n.name in self.agents and len(held) < n.max_trials and self.spare(n) > 0
 
+    def flush_s(self) -> float:
+        """How often an attempt's agent forwards its telemetry: TELEMETRY_FLUSH_S, or
+        longer so that every attempt the fleet can run at once sends about
+        TELEMETRY_CALLS_PER_S batches a second in all."""
+        slots = sum(n.max_trials for n in self.nodes.values())
+        return max(TELEMETRY_FLUSH_S, slots / TELEMETRY_CALLS_PER_S)
+
     def spare(self, n: NodeInfo) -> float:
         """GB of node `n`'s budget no running attempt holds."""
         return n.memory_gb - sum(self.held.get(n.name, {}).values())
@@ -416,62 +427,103 @@ class Controller:
         # What each sweep runs is what it has in flight: an attempt that ended this turn
         # frees its share before its trial's end is filed.
         runs = Counter(sid for *_, sid in self.inflight.values())
-        sweeps, pending, turn = {}, {}, []
+        sweeps, turn = {}, []
         for s in self.state.running_sweeps():
             spec = json.loads(s["spec"])
             sweeps[s["id"]] = (s, spec)
-            pending[s["id"]] = self.state.trials(s["id"], TrialState.PENDING)
             turn.append(scheduler.Contender(
                 sweep=s["id"], priority=s["priority"], share=spec.get("share", 1.0),
-                created=s["created"], cap=s["concurrency"], pending=len(pending[s["id"]]),
+                created=s["created"], cap=s["concurrency"],
+                pending=self.state.count_trials(s["id"], [TrialState.PENDING]),
                 running=runs[s["id"]],
                 served=self.served.get(s["id"], 0)))
+        # A sweep can have 20,000 pending trials and a turn places a few: their ids
+        # are read a page at a time as the turn gets to them, and a whole row (its
+        # job, its model) only for a trial it tries. Why each of the others waits is
+        # written every turn up to WAITING_WHOLE_UPTO pending trials; past that, once
+        # a second, or at once when the sweeps or nodes change.
+        now = time.monotonic()
+        shape = (frozenset(sweeps), frozenset(self.nodes))
+        whole = (sum(c.pending for c in turn) <= WAITING_WHOLE_UPTO or shape != self.waiting_noted[1]
+                 or now - self.waiting_noted[0] >= WAITING_EVERY_S)
+        pending = {sid: _PendingIds(self.state, sid, whole) for sid in sweeps}
         why: dict[str, str] = {}   # trial -> why it waits, for those tried and not placed
+        tried: dict[str, str] = {}   # trial -> its sweep
+        eligible: dict = {}   # the nodes a placement may use, found once a turn
         while free and (c := scheduler.next_sweep(turn)) is not None:
-            (s, spec), t = sweeps[c.sweep], pending[c.sweep][c.tried]
+            (s, spec), tid = sweeps[c.sweep], pending[c.sweep][c.tried]
             c.tried += 1
+            tried[tid] = c.sweep
             try:
-                why[t["id"]] = self._place_trial(s, spec, t, free)
+                why[tid] = self._place_trial(s, spec, self.state.trial(tid), free, eligible)
             except Exception as e:   # this sweep cannot be planned: it fails, the others go on
                 self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: placing it", e))
                 turn.remove(c)
                 continue
-            if why[t["id"]] is None:
+            if why[tid] is None:
                 c.running += 1
                 c.placed += 1
                 self.placements += 1
                 self.served[c.sweep] = self.placements
+        if not whole:   # only the trials this turn tried
+            self._note_waiting({t: (tried[t], r) for t, r in why.items() if r}, looked_at=tried)
+            return
         nodes = len(self.nodes)
         slots = sum(n.max_trials for n in self.nodes.values())
         waiting = {}
         for c in turn:
             left = scheduler.why_waiting(c, turn, nodes=nodes, slots=slots)
-            for t in pending[c.sweep]:
-                reason = why.get(t["id"], left)
+            for tid in pending[c.sweep].all():
+                reason = why.get(tid, left)
                 if reason:   # None: placed now; '': failed now
-                    waiting[t["id"]] = (c.sweep, reason)
+                    waiting[tid] = (c.sweep, reason)
         self._note_waiting(waiting)
+        self.waiting_noted = (now, shape)
 
-    def _note_waiting(self, waiting: dict[str, tuple[str, str]]) -> None:
+    def _note_waiting(self, waiting: dict[str, tuple[str, str]],
+                      looked_at=None) -> None:
         """Write to state.db the reasons that changed since the last placement (most
-        trials wait for the same reason turn after turn)."""
+        trials wait for the same reason turn after turn). `looked_at`: the trials
+        `waiting` speaks for (default: every pending trial); a trial among them and
+        not in `waiting` no longer waits."""
         changed = {t: v for t, v in waiting.items() if self.waiting.get(t) != v[1]}
-        gone = [t for t in self.waiting if t not in waiting]
+        scope = self.waiting if looked_at is None else looked_at
+        gone = [t for t in scope if t not in waiting and t in self.waiting]
         if changed or gone:
             self.state.note_waiting(changed, gone)
-            self.waiting = {t: v[1] for t, v in waiting.items()}
+            if looked_at is None:
+                self.waiting = {t: v[1] for t, v in waiting.items()}
+            else:
+                for t in gone:
+                    del self.waiting[t]
+                self.waiting.update({t: v[1] for t, v in changed.items()})
 
-    def _place_trial(self, s, spec: dict, t, free: list[NodeInfo]) -> str | None:
+    def _eligible(self, placement: dict, excluded: set, cache: dict) -> tuple[set, dict]:
+        """(names, {(class, memory_gb): one such node}) of the nodes a trial with this
+        placement and these excluded nodes may use; `cache` keeps them for the turn:
+        most trials share both, and a fleet has hundreds of nodes of a few classes."""
+        key = (json.dumps(placement, sort_keys=True), frozenset(excluded))
+        if key not in cache:
+            names, classes = set(), {}
+            for n in self.nodes.values():
+                if n.matches(placement) and n.name not in excluded:
+                    names.add(n.name)
+                    classes.setdefault((n.node_class, n.memory_gb), n)
+            cache[key] = names, classes
+        return cache[key]
+
+    def _place_trial(self, s, spec: dict, t, free: list[NodeInfo],
+                     eligible: dict | None = None) -> str | None:
         """Place trial `t` of sweep `s` on the best of `free` where it fits now (taking
         the node out of `free` once it is full). None when it went; else why it waits
-        ('' when it failed instead: no node it may use can ever hold it)."""
+        ('' when it failed instead: no node it may use can ever hold it). `eligible`:
+        the turn's cache for `_eligible`."""
         placement = spec.get("placement") or {}
         knobs = spec.get("planner") or {}
         margin = knobs.get("margin", DEFAULT_MARGIN)
         excluded = set(json.loads(t["excluded"]))
-        candidates = [n for n in self.nodes.values()
-                      if n.matches(placement) and n.name not in excluded]
-        if not candidates:
+        names, classes = self._eligible(placement, excluded, {} if eligible is None else eligible)
+        if not names:
             if excluded and self.nodes:
                 why = (f"out of memory at segment_size 1 on {sorted(excluded)} "
                        "and no other node matches")
@@ -479,10 +531,12 @@ class Controller:
                 self._maybe_done(s["id"])
                 return ""
             return "no node alive" + (f" matches its placement {placement}" if self.nodes else "")
-        # Whether it fits a node at all is judged on the whole node ...
-        plans = {n.name: self._plan(t, n, knobs) for n in candidates}
-        if not any(p.fits for p in plans.values()):
-            worst = "; ".join(f"{n}: {p.reason}" for n, p in sorted(plans.items()))
+        # Whether it fits a node at all is judged on the whole node (a plan depends
+        # on the node only through its class) ...
+        by_class = {k: self._plan(t, n, knobs) for k, n in classes.items()}
+        if not any(p.fits for p in by_class.values()):
+            worst = "; ".join(f"{n}: {by_class[(self.nodes[n].node_class, self.nodes[n].memory_gb)].reason}"
+                              for n in sorted(names))
             why = f"does not fit any node ({worst})"
             self.state.move(t["id"], TrialState.FAILED, why, message=why)
             self._maybe_done(s["id"])
@@ -492,13 +546,14 @@ class Controller:
         solo = self._shared_oom(t)
         fitting, short = [], []   # short: free nodes it may use, too small for it now
         for n in free:
-            if n.name not in plans:
+            if n.name not in names:
                 continue
-            if not plans[n.name].fits:
-                short.append(plans[n.name])
+            whole = by_class[(n.node_class, n.memory_gb)]
+            if not whole.fits:
+                short.append(whole)
             elif not (solo and self.held.get(n.name)):
                 spare = self.spare(n)
-                plan = plans[n.name] if spare >= n.memory_gb else self._plan_now(
+                plan = whole if spare >= n.memory_gb else self._plan_now(
                     t, n, knobs, budget_gb=spare)
                 if plan.fits:
                     fitting.append((n, plan))
@@ -509,7 +564,7 @@ class Controller:
                 need = min(p.predicted_gb for p in short) / (1 - margin)
                 return (f"no free node fits (needs {need:.3g} GB, largest free budget "
                         f"{max(p.budget_gb for p in short):.3g} GB)")
-            if solo and any(n.name in plans for n in free):
+            if solo and any(n.name in names for n in free):
                 return "waiting for a node to itself (it ran out of memory sharing one)"
             why = "waiting for a free node"   # the free ones are nodes it may not use
             if placement:
@@ -666,7 +721,7 @@ class Controller:
                         attempt=aid)
         spec = AttemptSpec(sweep=t["sweep"], trial=tid, attempt=aid, job=job, data=data,
                            checkpoint_step=ckpt[0] if ckpt else None,
-                           checkpoint=ckpt[1] if ckpt else {})
+                           checkpoint=ckpt[1] if ckpt else {}, flush_s=self.flush_s())
         try:
             ref = self.agents[node.name].run.remote(spec)
         except Exception as e:
@@ -974,3 +1029,32 @@ def get_head(root: Path, *, create: bool = True):
     if Path(info["root"]) != Path(root):
         raise ConnectionError(f"this cluster's head keeps its stores in {info['root']}, not {root}")
     return head
+
+
+class _PendingIds:
+    """The ids of a sweep's pending trials in its order, read from state.db a page
+    at a time as a turn indexes them (all at once when `whole`)."""
+    PAGE = 256
+
+    def __init__(self, state, sid: str, whole: bool):
+        self.state, self.sid = state, sid
+        self.ids, self.last, self.done = [], -1, False
+        if whole:
+            self.all()
+
+    def _more(self, limit: int) -> None:
+        rows = self.state.pending_ids(self.sid, after=self.last, limit=limit)
+        self.ids += [tid for tid, _ in rows]
+        if rows:
+            self.last = rows[-1][1]
+        self.done = limit < 0 or len(rows) < limit
+
+    def __getitem__(self, i: int) -> str:
+        while i >= len(self.ids) and not self.done:
+            self._more(self.PAGE)
+        return self.ids[i]
+
+    def all(self) -> list[str]:
+        if not self.done:
+            self._more(-1)
+        return self.ids

@@ -350,6 +350,13 @@ class State:
         return self.q(f"SELECT {TRIAL} FROM trials WHERE sweep = ? AND state = ? ORDER BY idx",
                       (sid, state.value))
 
+    def pending_ids(self, sid: str, after: int = -1, limit: int = -1) -> list[tuple[str, int]]:
+        """(id, idx) of a sweep's PENDING trials past index `after`, in their sweep's
+        order, `limit` at most (-1: all)."""
+        return [(r["id"], r["idx"]) for r in self.q(
+            "SELECT id, idx FROM trials WHERE sweep = ? AND state = ? AND idx > ? ORDER BY idx"
+            " LIMIT ?", (sid, TrialState.PENDING.value, after, limit))]
+
     def count_trials(self, sid: str, states: Iterable[TrialState]) -> int:
         marks, values = _placeholders(s.value for s in states)
         return self.one(f"SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN ({marks})",

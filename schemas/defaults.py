@@ -30,3 +30,11 @@ DEFAULT_SCALE = 1.0             # planner.scale: multiplies the analytic peak es
 DEFAULT_MAX_TRIALS = 2
 # ... and one started by hand (`segctl node start`), or whose labels do not say.
 DEFAULT_NODE_MAX_TRIALS = 1
+
+# A node agent forwards an attempt's telemetry at least every TELEMETRY_FLUSH_S
+# while it comes. A batch costs the head the same (a Ray call, two small SQLite
+# transactions) whatever its size, so the head lengthens that interval for a large
+# fleet: all its running attempts together send about TELEMETRY_CALLS_PER_S batches
+# a second (500 nodes: every 2.5 s).
+TELEMETRY_FLUSH_S = 0.5
+TELEMETRY_CALLS_PER_S = 200

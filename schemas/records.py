@@ -9,7 +9,7 @@ from typing import Optional
 
 from pydantic import BaseModel, Field
 
-from .defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK
+from .defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK, TELEMETRY_FLUSH_S
 from .job import LoraSpec, Method
 from .states import (ATTEMPT_MOVES, MOVES, OUTCOME_MOVES, OUTCOMES, TERMINAL,  # noqa: F401
                      TUNE_MOVES, TUNE_TERMINAL, AttemptStatus, Outcome, SweepState,
@@ -57,6 +57,7 @@ class AttemptSpec(BaseModel):
     data: dict[str, bytes]           # file name -> bytes (train / valid jsonl)
     checkpoint_step: Optional[int] = None
     checkpoint: dict[str, bytes] = {}   # file name -> bytes of the checkpoint to resume from
+    flush_s: float = TELEMETRY_FLUSH_S  # forward telemetry at least this often (the head's pace)
 
 
 class ProbeSpec(BaseModel):

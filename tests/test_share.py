@@ -303,3 +303,56 @@ def test_the_commented_example_keys_validate(tmp_path, demo_dir):
     (tmp_path / "examples" / "sweep.yaml").write_text(text)
     spec = load_sweep(tmp_path / "examples" / "sweep.yaml").spec
     assert (spec.priority, spec.share, spec.owner) == (0, 1.5, "ana")
+
+
+def test_a_large_backlog_is_read_a_page_at_a_time_and_its_reasons_follow(tmp_path, payload,
+                                                                          monkeypatch):
+    """Past WAITING_WHOLE_UPTO pending trials a turn reads ids a page at a time and
+    writes only the tried trials' reasons; every pending trial's reason is written
+    again within WAITING_EVERY_S, or at once when the sweeps change. Placement is the
+    same: trials in their sweep's order, fair share between sweeps."""
+    from segctl.orchestrator import head
+    monkeypatch.setattr(head, "WAITING_WHOLE_UPTO", 0)
+    monkeypatch.setattr(head, "WAITING_EVERY_S", 3600.0)
+    monkeypatch.setattr(head._PendingIds, "PAGE", 2)
+    reads = []
+    original = head.State.pending_ids
+    monkeypatch.setattr(head.State, "pending_ids",
+                        lambda self, *a, **k: reads.append(k) or original(self, *a, **k))
+    world = World(names=("a", "b"))
+    c = world.controller(tmp_path)
+    first = submit(c, payload, "first", n=9)
+    world.turns(c, 2)    # a new sweep: every reason written (whole read)
+    assert running(world) == {first: 2}
+    assert set(c.state.waiting(first).values()) == {"waiting for a free node"}
+    assert len(c.state.waiting(first)) == 7
+    reads.clear()
+    order = [r["id"] for r in c.state.trials(first)]
+    end_oldest(world, c)   # the sweeps are the same: a page read, not the backlog
+    assert reads and all(k.get("limit") == 2 for k in reads)
+    started = sorted((r.args[0].attempt, r.args[0].trial) for r in live(world))
+    assert started[-1][1] == order[2]   # the next in the sweep's order
+    # the trial placed no longer waits; the others keep their reason
+    assert order[2] not in c.state.waiting(first) and len(c.state.waiting(first)) == 6
+    second = submit(c, payload, "second", n=3)
+    world.turns(c, 1)   # the sweeps changed: every reason written again
+    why = f"waiting for its fair share (sweep {first} has 2 of 2 nodes)"
+    assert set(c.state.waiting(second).values()) == {why}
+
+
+def test_the_head_paces_its_fleets_telemetry(tmp_path, payload):
+    """Agents forward telemetry every TELEMETRY_FLUSH_S on a small fleet; on a large
+    one the head asks for less often, so that all attempts at once send about
+    TELEMETRY_CALLS_PER_S batches a second (a batch costs the head the same whatever
+    its size)."""
+    from segctl.orchestrator import head
+    from segctl.schemas.records import NodeInfo
+    world = World(names=("a", "b"))
+    c = world.controller(tmp_path)
+    submit(c, payload, "first", n=3)
+    world.turns(c, 1)
+    assert [r.args[0].flush_s for r in live(world)] == [head.TELEMETRY_FLUSH_S] * 2
+    c.nodes = {f"n{i}": NodeInfo(name=f"n{i}", chip="sim", memory_gb=8, max_trials=2)
+               for i in range(250)}
+    assert c.flush_s() == pytest.approx(500 / head.TELEMETRY_CALLS_PER_S)
+    assert c.flush_s() > head.TELEMETRY_FLUSH_S
