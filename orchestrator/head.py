@@ -411,8 +411,11 @@ class Controller:
         """How often an attempt's agent forwards its telemetry: TELEMETRY_FLUSH_S, or
         longer so that every attempt the fleet can run at once sends about
         TELEMETRY_CALLS_PER_S batches a second in all."""
-        slots = sum(n.max_trials for n in self.nodes.values())
-        return max(TELEMETRY_FLUSH_S, slots / TELEMETRY_CALLS_PER_S)
+        return max(TELEMETRY_FLUSH_S, self.slots() / TELEMETRY_CALLS_PER_S)
+
+    def slots(self) -> int:
+        """Attempts the fleet can run at once."""
+        return sum(n.max_trials for n in self.nodes.values())
 
     def spare(self, n: NodeInfo) -> float:
         """GB of node `n`'s budget no running attempt holds."""
@@ -469,7 +472,7 @@ class Controller:
             self._note_waiting({t: (tried[t], r) for t, r in why.items() if r}, looked_at=tried)
             return
         nodes = len(self.nodes)
-        slots = sum(n.max_trials for n in self.nodes.values())
+        slots = self.slots()
         waiting = {}
         for c in turn:
             left = scheduler.why_waiting(c, turn, nodes=nodes, slots=slots)
@@ -512,8 +515,7 @@ class Controller:
             cache[key] = names, classes
         return cache[key]
 
-    def _place_trial(self, s, spec: dict, t, free: list[NodeInfo],
-                     eligible: dict | None = None) -> str | None:
+    def _place_trial(self, s, spec: dict, t, free: list[NodeInfo], eligible: dict) -> str | None:
         """Place trial `t` of sweep `s` on the best of `free` where it fits now (taking
         the node out of `free` once it is full). None when it went; else why it waits
         ('' when it failed instead: no node it may use can ever hold it). `eligible`:
@@ -522,7 +524,7 @@ class Controller:
         knobs = spec.get("planner") or {}
         margin = knobs.get("margin", DEFAULT_MARGIN)
         excluded = set(json.loads(t["excluded"]))
-        names, classes = self._eligible(placement, excluded, {} if eligible is None else eligible)
+        names, classes = self._eligible(placement, excluded, eligible)
         if not names:
             if excluded and self.nodes:
                 why = (f"out of memory at segment_size 1 on {sorted(excluded)} "
