@@ -266,15 +266,18 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
 
 
 def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_message(fleet):
-    # low's first trial is long enough that high surely arrives while it runs
-    # (one at a time: the node runs two trials at once, and this is about the queue)
-    low = _sweep(fleet, "low", placement={"name": "large"}, grid={"train.iters": [60, 4, 4]},
-                 concurrency=1)
+    # low's first trial runs until this test cancels it, once high is queued, so
+    # high surely arrives while it runs (one at a time: the node runs two trials
+    # at once, and this is about the queue)
+    low = _sweep(fleet, "low", placement={"name": "large"},
+                 grid={"train.iters": [100_000, 4, 4]}, concurrency=1)
     high = _sweep(fleet, "high", placement={"name": "large"}, priority=5,
                   grid={"train.seed": [0, 1]})
     first = segctl("submit", low, "--cluster", fleet["cluster"], "--detach").stdout.strip()
     _wait(fleet, first, lambda sw: sw["trials"][0]["state"] == "RUNNING")
     second = segctl("submit", high, "--cluster", fleet["cluster"], "--detach").stdout.strip()
+    c = segctl("cancel", f"{first}-t000", "--cluster", fleet["cluster"])
+    assert c.returncode == 0 and f"{first}-t000" in c.stdout, c.stderr
 
     # Weights that are not a model are refused at submit, before anything is written...
     import shutil
@@ -305,6 +308,7 @@ def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_me
     # first. Placement order is the attempts' ids (state.db numbers them as the head
     # places them); their engines' start times can swap when two are placed in one
     # turn (one takes the node's spare worker, the other starts cold).
+    assert [t["state"] for t in lows] == ["CANCELLED", "SUCCEEDED", "SUCCEEDED"], lows
     placed = lambda t: t["attempts"][0]["attempt"]
     assert max(placed(t) for t in highs) < min(placed(t) for t in lows[1:]), (highs, lows)
 
