@@ -29,6 +29,11 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT):
     sys.exit(code)
 
 
+def _says(e: BaseException) -> str:
+    """An error's message: a KeyError's own text, not its repr's quotes."""
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
 class _Group(click.Group):
     def invoke(self, ctx):
         import sqlite3
@@ -155,7 +160,7 @@ def train(job_file: Path, resume: bool, as_json: bool):
     screen = telemetry.json_lines(sys.stdout) if as_json else telemetry.for_terminal()
     emit = telemetry.fan_out(screen, telemetry.events_file(lambda: job.output))
     if job.report_to:   # the trackers hear the run's events too, in $SEGCTL_HOME/trackers by default
-        from segctl.orchestrator.fleet import segctl_home
+        from segctl.schemas.defaults import segctl_home
         from segctl.orchestrator.trackers import job_sink
         warn = lambda line: click.echo(one_line(f"segctl: warning: {line}"), err=True)
         emit = telemetry.fan_out(emit, job_sink(job, segctl_home(), resume=resume, warn=warn))
@@ -174,7 +179,7 @@ def _resolve_auto(job, job_file):
     from segctl.engine.data import DataError
     from segctl.node.probe import default_name, probe
     from segctl.orchestrator import measured, planner
-    from segctl.orchestrator.fleet import stores_root
+    from segctl.schemas.defaults import stores_root
     from segctl.schemas.records import NodeInfo
     try:
         info = planner.model_info(job.model)
@@ -215,7 +220,7 @@ def _cluster(cluster_file):
 
 
 def _root(spec) -> Path:
-    from segctl.orchestrator.fleet import stores_root
+    from segctl.schemas.defaults import stores_root
     return stores_root(spec)
 
 
@@ -253,11 +258,16 @@ def _payload(sweep_file, spec):
 
 
 def _status(root: Path, sid: str | None) -> list[dict]:
+    return _from_db(root, lambda db: db.status(sid))
+
+
+def _from_db(root: Path, read):
+    """read(state.db's reader); no state.db, or no such sweep: a one-line error."""
     from segctl.orchestrator import state
     try:
-        return state.read(root / "state.db").status(sid)
+        return read(state.read(root / "state.db"))
     except (FileNotFoundError, KeyError) as e:
-        _fail(str(e).strip("'\""))
+        _fail(_says(e))
 
 
 @main.command()
@@ -471,7 +481,8 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
 @click.argument("sweep", required=False)
 @cluster_option
 @click.option("--json", "as_json", is_flag=True, help="JSON: per sweep, per trial: state and "
-              "attempts (node, segment_size, outcome, peak_gb, ...)")
+              "attempts (node, segment_size, outcome, peak_gb, ...); indented on a terminal, "
+              "one line when piped")
 @click.option("--watch", is_flag=True, help="keep showing progress (step bars, ETA) until "
               "Ctrl-C; piped (or with --json): one JSON line per interval")
 @click.option("--interval", type=click.FloatRange(0.05, 3600), default=2.0, show_default=True,
@@ -493,8 +504,8 @@ def status(sweep, cluster_file, as_json: bool, watch: bool, interval: float, cou
         sys.exit(_watch(_root(_cluster(cluster_file)), sweep, interval, count, until_done,
                         as_json))
     sweeps = _status(_root(_cluster(cluster_file)), sweep)
-    if as_json:
-        click.echo(json.dumps(sweeps, indent=2))
+    if as_json:   # indented for a person at a terminal; piped, compact (3x faster to write)
+        click.echo(json.dumps(sweeps, indent=2 if sys.stdout.isatty() else None))
         return
     console = views.console()
     if not sweeps:
@@ -513,7 +524,7 @@ def _watch(root: Path, sweep, interval: float, count, until_done: bool, as_json:
         db = report.open_db(root)
         snap = report.progress(db, stores, sweep, memo)
     except (FileNotFoundError, KeyError) as e:
-        _fail(str(e).strip("'\""))
+        _fail(_says(e))
     live = None
     if not as_json and sys.stdout.isatty():
         from rich.live import Live
@@ -587,7 +598,7 @@ def cancel(target, cluster_file):
     try:
         done = ray.get(head.cancel.remote(target))
     except KeyError as e:
-        _fail(str(e).strip("'\""))
+        _fail(_says(e))
     except ray.exceptions.RayTaskError as e:
         _fail(str(e.cause) if getattr(e, "cause", None) else str(e).splitlines()[-1])
     click.echo(f"cancelled {len(done)} trial(s)" + (f": {', '.join(done)}" if done else ""))
@@ -607,7 +618,7 @@ def resume(sweep, cluster_file, detach: bool, as_json: bool):
     try:
         info = ray.get(head.resume.remote(sweep))
     except ray.exceptions.RayTaskError as e:
-        _fail(str(getattr(e, "cause", e)).strip("'\""))
+        _fail(_says(getattr(e, "cause", e)))
     from segctl.schemas.states import SweepState
     click.echo(f"sweep {sweep}: {info['state'].lower()}, {info['unfinished']} unfinished trial(s)",
                err=True)
@@ -636,10 +647,7 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     if best is not None and best < 1:
         _fail("--best: must be at least 1")
     root = _root(_cluster(cluster_file))
-    [sw] = _status(root, sweep)
-    trials = [{"trial": t["trial"], "state": t["state"], "params": t["params"],
-               "metrics": {"val_loss": t["val_loss"], "final_loss": t["final_loss"]}}
-              for t in sw["trials"]]
+    trials = _from_db(root, lambda db: db.results(sweep))
     if not any(t["state"] == TrialState.SUCCEEDED for t in trials):
         _fail(f"sweep {sweep} has no succeeded trial to gather")
     try:
@@ -671,7 +679,7 @@ def report(sweep, out, gathered, best: int, cluster_file):
     try:
         data = collect(_root(_cluster(cluster_file)), sweep, gathered=gathered, best=best)
     except (FileNotFoundError, KeyError, ValueError) as e:
-        _fail(str(e).strip("'\""))
+        _fail(_says(e))
     out = out or Path(f"{sweep}.html")
     write_atomic(out, render(data), mode=0o600)   # who trained what is the owner's alone
     click.echo(f"wrote {out}: {len(data['trials'])} trials, {out.stat().st_size:,} bytes")

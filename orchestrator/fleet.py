@@ -33,8 +33,8 @@ from pathlib import Path
 from segctl.node import raynode
 from segctl.node.probe import Hardware, default_name, probe, ray_env
 from segctl.schemas.atomic import write_atomic
-from segctl.schemas.cluster import DEFAULT_MAX_TRIALS, DEFAULT_STORES
-from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS
+from segctl.schemas.cluster import DEFAULT_MAX_TRIALS
+from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS, segctl_home, stores_root
 from segctl.schemas.records import NodeInfo
 
 # `ray` itself is imported only where a driver is needed: stores_root() and the
@@ -45,16 +45,6 @@ HERE_FILE = "here.json"        # on any machine, under $SEGCTL_HOME: what `node 
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 SSH_TIMEOUT_S = 180
 PARALLEL_SSH = 8
-
-
-def stores_root(spec) -> Path:
-    if spec is not None and spec.head.stores:
-        return Path(spec.head.stores).expanduser()
-    return segctl_home()
-
-
-def segctl_home() -> Path:
-    return Path(os.environ.get("SEGCTL_HOME") or DEFAULT_STORES).expanduser()
 
 
 def ensure_token(stores: Path) -> Path:

@@ -57,6 +57,10 @@ LOG_BYTES, LOG_KEEP = 1 << 20, 3      # head.log rotates at 1 MiB, three old one
 NAMESPACE = "segctl"
 TICK_S = 0.2
 FILE_S = 0.5          # a turn files ended attempts for this long at most, then places again
+# Ended attempts' results (their adapters) the head holds in memory while they wait to
+# be filed; past this, a result stays in Ray's object store (which spills to disk)
+# until its turn to be filed.
+UNFILED_BYTES = 256 << 20
 WAITING_WHOLE_UPTO = 2000  # pending trials whose reasons to wait are written every turn
 WAITING_EVERY_S = 1.0  # past that, why every pending trial waits is written this often
 NODES_EVERY_S = 1.0
@@ -85,7 +89,9 @@ class Controller:
         self.held: dict[str, dict] = {}         # node -> {attempt (or "tune:ID"): GB it holds}
         self.free_since: dict[str, float] = {}  # node -> when it last became free
         self.inflight: dict[object, tuple[int, str, str, str]] = {}  # ref -> (attempt, trial, node, sweep)
-        self.to_file: deque[tuple[int, AttemptResult]] = deque()   # ended, not yet filed
+        # ended, not yet filed: (attempt, its result or, past UNFILED_BYTES, its ref, node)
+        self.to_file: deque[tuple[int, object, str]] = deque()
+        self.unfiled_bytes = 0                  # adapter bytes held by to_file's results
         self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
         self.plans: dict[tuple, object] = {}    # (trial, class, budget, max_segment) -> Plan
         self.placements = 0                     # attempts placed by this head, counted
@@ -333,10 +339,17 @@ class Controller:
                 self._probed(ref)
                 continue
             aid, tid, node, _ = self.inflight.pop(ref)
-            self.to_file.append((aid, self._result(ref, aid, node)))
+            ended = None
+            if self.unfiled_bytes < UNFILED_BYTES:
+                result = self._result(ref, aid, node)
+                self.unfiled_bytes += _adapter_bytes(result)
+                self.to_file.append((aid, result, node))
+                ended = result.ended
+            else:   # fetched when its turn comes: the head's memory stays bounded
+                self.to_file.append((aid, ref, node))
             with self.mu:
                 self.held.get(node, {}).pop(aid, None)
-                self.free_since[node] = self.to_file[-1][1].ended or self.clock()
+                self.free_since[node] = ended or self.clock()
         with self.mu:
             # Freed nodes get their next trial before the finished attempts are
             # filed: storing an adapter takes longer than starting a process. Filing
@@ -345,7 +358,11 @@ class Controller:
             self.place()
             filed, t0 = 0, time.monotonic()
             while self.to_file and (not filed or time.monotonic() - t0 < FILE_S):
-                aid, result = self.to_file.popleft()
+                aid, result, node = self.to_file.popleft()
+                if isinstance(result, AttemptResult):
+                    self.unfiled_bytes -= _adapter_bytes(result)
+                else:
+                    result = self._result(result, aid, node)
                 self.guarded(f"attempt {aid}: filing its end", self.finish, aid, result)
                 filed += 1
             if filed:
@@ -511,7 +528,7 @@ class Controller:
             for n in self.nodes.values():
                 if n.matches(placement) and n.name not in excluded:
                     names.add(n.name)
-                    classes.setdefault((n.node_class, n.memory_gb), n)
+                    classes.setdefault(_plan_class(n), n)
             cache[key] = names, classes
         return cache[key]
 
@@ -537,7 +554,7 @@ class Controller:
         # on the node only through its class) ...
         by_class = {k: self._plan(t, n, knobs) for k, n in classes.items()}
         if not any(p.fits for p in by_class.values()):
-            worst = "; ".join(f"{n}: {by_class[(self.nodes[n].node_class, self.nodes[n].memory_gb)].reason}"
+            worst = "; ".join(f"{n}: {by_class[_plan_class(self.nodes[n])].reason}"
                               for n in sorted(names))
             why = f"does not fit any node ({worst})"
             self.state.move(t["id"], TrialState.FAILED, why, message=why)
@@ -550,7 +567,7 @@ class Controller:
         for n in free:
             if n.name not in names:
                 continue
-            whole = by_class[(n.node_class, n.memory_gb)]
+            whole = by_class[_plan_class(n)]
             if not whole.fits:
                 short.append(whole)
             elif not (solo and self.held.get(n.name)):
@@ -660,7 +677,7 @@ class Controller:
     def _plan(self, t, node: NodeInfo, knobs: dict):
         # a plan depends on the node only through its class (chip and budget): one per
         # class, not one per node, or a fleet of N alike nodes plans each trial N times
-        key = (t["id"], node.node_class, node.memory_gb, t["max_segment"])
+        key = (t["id"], *_plan_class(node), t["max_segment"])
         if key not in self.plans:
             self.plans[key] = self._plan_now(t, node, knobs)
         return self.plans[key]
@@ -888,6 +905,15 @@ def _check_payload(payload: dict) -> None:
                 raise ValueError(f"trial name {str(t['name'])[:80]!r} is not a plain name")
         except Exception as e:
             raise ValueError(f"trial {str(t.get('name'))[:80]!r}: {_one_line(e)}") from None
+
+
+def _plan_class(n: NodeInfo) -> tuple[str, float]:
+    """What a node's plans depend on: its class (chip) and its memory budget."""
+    return n.node_class, n.memory_gb
+
+
+def _adapter_bytes(r: AttemptResult) -> int:
+    return sum(len(b) for files in (r.adapter, r.best_adapter) for b in files.values())
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:

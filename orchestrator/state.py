@@ -350,6 +350,16 @@ class State:
         return self.q(f"SELECT {TRIAL} FROM trials WHERE sweep = ? AND state = ? ORDER BY idx",
                       (sid, state.value))
 
+    def results(self, sid: str) -> list[dict]:
+        """A sweep's trials as `segctl gather` ranks them, in their sweep's order:
+        {trial, state, params, metrics: {val_loss, final_loss}} (no attempts, no job)."""
+        if self.sweep(sid) is None:
+            raise KeyError(f"no sweep named {sid!r}")
+        return [{"trial": t["id"], "state": t["state"], "params": json.loads(t["params"]),
+                 "metrics": {"val_loss": t["val_loss"], "final_loss": t["final_loss"]}}
+                for t in self.q("SELECT id, state, params, final_loss, val_loss FROM trials"
+                                " WHERE sweep = ? ORDER BY idx", (sid,))]
+
     def pending_ids(self, sid: str, after: int = -1, limit: int = -1) -> list[tuple[str, int]]:
         """(id, idx) of a sweep's PENDING trials past index `after`, in their sweep's
         order, `limit` at most (-1: all)."""

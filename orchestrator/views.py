@@ -33,10 +33,9 @@ def _num(x, fmt):
     return "" if x is None else format(x, fmt)
 
 
-def trials_table(sweep: dict) -> Text:
+def trials_table(sweep: dict) -> "TrialsTable":
     """A sweep's title line and one line per trial in aligned columns; the last
-    column (params, or the trial's message) wraps. Padded strings styled per cell, not
-    a rich Table: rich lays a table out cell by cell, over 2 s for 2,000 trials."""
+    column (params, or the trial's message) wraps under itself."""
     counts = {}
     for t in sweep["trials"]:
         counts[t["state"]] = counts.get(t["state"], 0) + 1
@@ -54,25 +53,68 @@ def trials_table(sweep: dict) -> Text:
         a = t["attempts"][-1] if t["attempts"] else {}
         outcomes = ",".join(SHORT.get(x["outcome"], x["outcome"] or x["status"])
                             for x in t["attempts"])
-        note = Text(t["message"] or " ".join(f"{k}={v}" for k, v in t["params"].items()))
-        if t.get("pending_reason"):   # why it is still PENDING, as the head last found it
-            note = Text.assemble((t["pending_reason"], "yellow"), "  ", note)
+        note = t["message"] or " ".join(f"{k}={v}" for k, v in t["params"].items())
+        reason = t.get("pending_reason") or ""   # why it is still PENDING, as the head last found it
         short = t["trial"][len(sweep["sweep"]) + 1:] if t["trial"].startswith(sweep["sweep"]) else t["trial"]
         rows.append((short, t["state"], a.get("node") or "", _num(a.get("segment_size"), "d"),
                      _num(a.get("step"), "d"), _num(a.get("loss"), ".4f"),
                      _num(a.get("peak_gb"), ".3f"), _num(t["val_loss"], ".4f"), outcomes))
-        notes.append(note)
+        notes.append((reason + "  " + note, len(reason)) if reason else (note, 0))
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
-    lines = [Text(f"{sweep['sweep']} ({', '.join(about)}): {summary}", style="italic"),
-             Text("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  params / message",
-                  style="bold")]
-    for row, note in zip(rows, notes):
-        line = Text(row[0].ljust(widths[0]) + "  ")
-        line.append(row[1].ljust(widths[1]), style=STATE_STYLE.get(row[1], ""))
-        line.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[2:], widths[2:])) + "  ")
-        line.append_text(note)
-        lines.append(line)
-    return Text("\n").join(lines)
+    return TrialsTable(f"{sweep['sweep']} ({', '.join(about)}): {summary}",
+                       "  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  params / message",
+                       [(r[0].ljust(widths[0]) + "  ", r[1].ljust(widths[1]),
+                         "  " + "  ".join(c.ljust(w) for c, w in zip(r[2:], widths[2:])) + "  ",
+                         *note) for r, note in zip(rows, notes)])
+
+
+class TrialsTable:
+    """trials_table's lines, laid out by hand for the console's width: rich's own
+    wrapping of 20,000 lines took seconds; these are segments, wrapped only where a
+    line is too long (its last column, at spaces, under itself)."""
+
+    def __init__(self, title: str, header: str, rows: list[tuple[str, str, str, str, int]]):
+        self.title, self.header, self.rows = title, header, rows   # row: left, state, mid, note, styled
+
+    def __rich_console__(self, console, options):
+        from rich.segment import Segment
+        from rich.style import Style
+        styles = {s: Style.parse(v) for s, v in STATE_STYLE.items()}
+        reason_style, nl = Style.parse("yellow"), Segment.line()
+        yield Text(self.title, style="italic")   # rich wraps these two
+        yield Text(self.header, style="bold")
+        width = options.max_width
+        for left, state, mid, note, styled in self.rows:
+            indent = len(left) + len(state) + len(mid)
+            if width - indent < 20:   # a narrow terminal: rich wraps the whole line
+                yield Text.assemble(left, (state, styles.get(state.strip(), "")), mid,
+                                    (note[:styled], reason_style), note[styled:])
+                continue
+            yield Segment(left)
+            yield Segment(state, styles.get(state.strip()))
+            yield Segment(mid)
+            for i, (a, b) in enumerate(_cut(note, width - indent)):
+                if i:
+                    yield nl
+                    yield Segment(" " * indent)
+                if a < styled:
+                    yield Segment(note[a:min(b, styled)], reason_style)
+                if b > styled:
+                    yield Segment(note[max(a, styled):b])
+            yield nl
+
+
+def _cut(s: str, width: int) -> list[tuple[int, int]]:
+    """(start, end) pieces of `s` of at most `width` characters, broken at spaces
+    (a word longer than `width` is cut)."""
+    out, a = [], 0
+    while len(s) - a > width:
+        b = s.rfind(" ", a + 1, a + width + 1)
+        b = b if b > a else a + width
+        out.append((a, b))
+        a = b + 1 if s[b:b + 1] == " " else b
+    out.append((a, len(s)))
+    return out
 
 
 def duration(seconds) -> str:

@@ -6,6 +6,9 @@ installed."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 # ------------------------------------------------------------------ job.yaml
 
 DEFAULT_MAX_SEQ_LENGTH = 2048   # data.max_seq_length: tokens per row at most
@@ -38,3 +41,17 @@ DEFAULT_NODE_MAX_TRIALS = 1
 # a second (500 nodes: every 2.5 s).
 TELEMETRY_FLUSH_S = 0.5
 TELEMETRY_CALLS_PER_S = 200
+
+
+def segctl_home() -> Path:
+    """The stores of a machine without a cluster file: $SEGCTL_HOME, else DEFAULT_STORES."""
+    return Path(os.environ.get("SEGCTL_HOME") or DEFAULT_STORES).expanduser()
+
+
+def stores_root(spec) -> Path:
+    """Where the stores live: cluster `spec`'s head.stores, else segctl_home(). Here,
+    not in orchestrator/fleet.py, so that the read-only commands import no more than
+    they read with."""
+    if spec is not None and spec.head.stores:
+        return Path(spec.head.stores).expanduser()
+    return segctl_home()

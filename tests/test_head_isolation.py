@@ -215,6 +215,40 @@ def test_an_agent_error_ends_that_attempt_frees_its_node_and_keeps_the_other_res
     assert len(again) == 1 and again[0].args[0].trial == a["trial"]
 
 
+def test_results_past_the_byte_bound_wait_in_rays_store_and_are_filed_in_turn(
+        tmp_path, payload, adapter_dir, monkeypatch):
+    """The head holds ended results (their adapters) in memory up to UNFILED_BYTES;
+    past that, an ended attempt's node is freed at once but its result is fetched
+    only when its turn to be filed comes, and one whose node died meanwhile is a
+    lost node's attempt: run again."""
+    monkeypatch.setattr(head_mod, "UNFILED_BYTES", 1)   # the first result held fills it
+    monkeypatch.setattr(head_mod, "FILE_S", 0.0)        # one filed per turn
+    world = World(names=("a", "b", "c"))
+    fetched = []
+    get = world.get
+    world.get = lambda ref: (ref.what == "run" and fetched.append(ref), get(ref))[1]
+    c = world.controller(tmp_path)
+    sid = c.submit(small(payload, "s", n=3, retries=1))
+    world.turns(c, 1)
+    refs = sorted((r for a in world.agents.values() for r in running(a)),
+                  key=lambda r: r.args[0].attempt)
+    assert len(refs) == 3
+    for r in refs[:2]:
+        ok(r, r.args[0].attempt, adapter_dir)
+    refs[2].settle(error=ray.exceptions.RayActorError())   # its node died after it ended
+    world.turns(c, 1)
+    # the first result was fetched and filed; the other two wait as refs, their nodes free
+    assert fetched == [refs[0]] and c.unfiled_bytes == 0
+    assert not any(c.held.get(n) for n in "abc")
+    assert [aid for aid, *_ in c.to_file] == [r.args[0].attempt for r in refs[1:]]
+    world.turns(c, 2)
+    assert fetched == refs and not c.to_file and c.unfiled_bytes == 0
+    aids = [r.args[0].attempt for r in refs]
+    assert [c.state.attempt(a)["outcome"] for a in aids] == ["succeeded", "succeeded", "node_lost"]
+    assert [c.stores.has_adapter(c.state.attempt(a)["trial"]) for a in aids] == [True, True, False]
+    assert sorted(trials(c, sid).values()) == ["PLACED", "SUCCEEDED", "SUCCEEDED"]   # run again
+
+
 def test_retries_bound_a_failing_agent(tmp_path, payload):
     world = World(names=("a",))
     c = world.controller(tmp_path)

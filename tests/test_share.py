@@ -356,3 +356,37 @@ def test_the_head_paces_its_fleets_telemetry(tmp_path, payload):
                for i in range(250)}
     assert c.flush_s() == pytest.approx(500 / head.TELEMETRY_CALLS_PER_S)
     assert c.flush_s() > head.TELEMETRY_FLUSH_S
+
+
+def test_the_trials_table_wraps_its_last_column_under_itself_and_cuts_nothing():
+    """`segctl status` lays out its lines itself (rich's wrapping of 20,000 lines
+    took seconds): a long reason or message wraps at spaces under its own column,
+    in the reason's colour; on a terminal too narrow for that the whole line wraps."""
+    from rich.console import Console
+    from segctl.orchestrator.views import trials_table
+    reason = "no free node fits (needs 12.3 GB, largest free budget 8 GB)"
+    message = "the engine stopped: " + "word " * 30 + "x" * 40
+    sweep = dict(sweep="s-1", state="RUNNING", owner="ann", priority=2, share=1.0, trials=[
+        dict(trial="s-1-t000", state="PENDING", params={"train.seed": 1}, message="",
+             val_loss=None, pending_reason=reason, attempts=[]),
+        dict(trial="s-1-t001", state="FAILED", params={}, message=message, val_loss=None,
+             attempts=[dict(outcome="failed", status="ended", node="n1", segment_size=2,
+                            step=10, loss=1.5, peak_gb=3.2)])])
+    for width in (100, 60):
+        out = Console(width=width, force_terminal=True, color_system="standard")
+        with out.capture() as cap:
+            out.print(trials_table(sweep))
+        text = cap.get()
+        plain = Console(width=width)
+        with plain.capture() as cap:
+            plain.print(trials_table(sweep))
+        lines = cap.get().splitlines()
+        assert all(len(line) <= width for line in lines), lines
+        squeezed = "".join(cap.get().split())   # a word longer than the column is cut
+        assert squeezed.count("".join(message.split())) == 1
+        assert "".join(reason.split()) + "train.seed=1" in squeezed
+        assert "\x1b[33mno free node fits" in text   # the reason in yellow
+        if width == 100:   # every continuation starts under the column
+            col = lines[2].index("no free node")
+            more = [line for line in lines[3:] if not line.startswith("t0")]
+            assert more and all(not line[:col].strip() for line in more), lines
