@@ -26,6 +26,7 @@ def test_simulated_fleet_runs_a_sweep_through_the_real_head(tmp_path):
         profile=None, load_before=None))
     stores = Path(row["stores"])
     assert row["succeeded"] == TRIALS and row["attempts"] == TRIALS, row
+    assert 0 < row["head_private_max_mb"] <= row["head_rss_max_mb"], row   # its own pages: part of RSS
     steps = ds.dataset(stores / "telemetry" / "steps", format="parquet",
                        partitioning="hive").to_table()
     assert steps.num_rows == TRIALS * STEPS == row["step_rows"]
