@@ -37,8 +37,8 @@ from segctl.schemas.cluster import DEFAULT_MAX_TRIALS
 from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS, segctl_home, stores_root
 from segctl.schemas.records import NodeInfo
 
-# `ray` itself is imported only where a driver is needed: stores_root() and the
-# ssh helpers serve CLI commands that should not pay for importing Ray.
+# `ray` itself is imported only where a driver is needed: the ssh helpers serve
+# CLI commands that should not pay for importing Ray.
 NAMESPACE = "segctl"
 FLEET_FILE = "fleet.json"      # on the head, under the stores root: what `up` started
 HERE_FILE = "here.json"        # on any machine, under $SEGCTL_HOME: what `node start` started

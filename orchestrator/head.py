@@ -345,7 +345,9 @@ class Controller:
                 self.unfiled_bytes += _adapter_bytes(result)
                 self.to_file.append((aid, result, node))
                 ended = result.ended
-            else:   # fetched when its turn comes: the head's memory stays bounded
+            else:   # fetched when its turn comes: the head's memory stays bounded.
+                # Its node counts as free from now, not from its engine's exit (which
+                # the result holds): the next attempt's dispatch_s is shorter by that.
                 self.to_file.append((aid, ref, node))
             with self.mu:
                 self.held.get(node, {}).pop(aid, None)
