@@ -184,10 +184,12 @@ class SimHost:
     async def probe(self, name: str, tune: str, spec) -> dict:
         return {"error": "simulated nodes do not probe"}
 
-    async def run(self, name: str, spec: AttemptSpec) -> AttemptResult:
+    @ray.method(num_returns=2)
+    async def run(self, name: str, spec: AttemptSpec) -> tuple[float | None, AttemptResult]:
         self.running.setdefault(name, set()).add(spec.attempt)
         try:
-            return await self._run(spec)
+            result = await self._run(spec)
+            return result.ended, result
         finally:
             self.running[name].discard(spec.attempt)
             self.cancelled.discard(spec.attempt)

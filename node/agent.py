@@ -48,13 +48,17 @@ class NodeAgent:
         return {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
                 "running": sorted(map(str, self.running))}
 
-    def run(self, spec: AttemptSpec) -> AttemptResult:
+    @ray.method(num_returns=2)
+    def run(self, spec: AttemptSpec) -> tuple[float | None, AttemptResult]:
+        """Run one attempt; two objects back: when it ended, and how (its adapter's
+        bytes among it). The head frees the node by the first and may leave the
+        second in Ray's object store until it files it."""
         running = Running()
         with self.lock:
             self.running[spec.attempt] = running
         head = self.head
         try:
-            return run_attempt(
+            result = run_attempt(
                 spec, work_root(self.name),
                 send_events=lambda batch: ray.get(
                     head.ingest.remote(spec.attempt, batch), timeout=CALL_TIMEOUT_S),
@@ -62,6 +66,7 @@ class NodeAgent:
                     head.checkpoint.remote(spec.attempt, step, files), timeout=CALL_TIMEOUT_S),
                 on_started=lambda pid, t: head.started.remote(spec.attempt, pid, t),
                 model_dir=self._model_dir, running=running)
+            return result.ended, result
         except BaseException:
             # the attempt ends with this error (the head out of reach, a full disk):
             # its engine too, or it would train on beside the trial's next attempt

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import Counter, deque
 from pathlib import Path
+from typing import NamedTuple
 
 import ray
 from pydantic import ValidationError
@@ -70,6 +71,15 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
         ray.exceptions.OwnerDiedError)
 
 
+class Flight(NamedTuple):
+    """An attempt handed to its node's agent, and the refs of what it returns."""
+    attempt: int
+    trial: str
+    node: str
+    sweep: str
+    result: object   # the ref of its AttemptResult (its end time's ref is the key)
+
+
 class Controller:
     """`list_nodes`, `spawn_agent`, `clock`, `wait` and `get` are how it reaches the
     world (Ray's node table, agent actors, time, ray.wait, ray.get): tests pass
@@ -88,7 +98,7 @@ class Controller:
         self.agents: dict[str, object] = {}
         self.held: dict[str, dict] = {}         # node -> {attempt (or "tune:ID"): GB it holds}
         self.free_since: dict[str, float] = {}  # node -> when it last became free
-        self.inflight: dict[object, tuple[int, str, str, str]] = {}  # ref -> (attempt, trial, node, sweep)
+        self.inflight: dict[object, Flight] = {}  # the ref of its end time -> the attempt
         # ended, not yet filed: (attempt, its result or, past UNFILED_BYTES, its ref, node)
         self.to_file: deque[tuple[int, object, str]] = deque()
         self.unfiled_bytes = 0                  # adapter bytes held by to_file's results
@@ -338,17 +348,14 @@ class Controller:
             if ref in self.probing:
                 self._probed(ref)
                 continue
-            aid, tid, node, _ = self.inflight.pop(ref)
-            ended = None
+            aid, _, node, _, result = self.inflight.pop(ref)
+            ended = self._ended(ref)
             if self.unfiled_bytes < UNFILED_BYTES:
-                result = self._result(ref, aid, node)
+                result = self._result(result, aid, node)
                 self.unfiled_bytes += _adapter_bytes(result)
-                self.to_file.append((aid, result, node))
-                ended = result.ended
-            else:   # fetched when its turn comes: the head's memory stays bounded.
-                # Its node counts as free from now, not from its engine's exit (which
-                # the result holds): the next attempt's dispatch_s is shorter by that.
-                self.to_file.append((aid, ref, node))
+            # else its result is fetched when its turn comes: the head's memory stays
+            # bounded, and the node counts as free from its engine's exit all the same.
+            self.to_file.append((aid, result, node))
             with self.mu:
                 self.held.get(node, {}).pop(aid, None)
                 self.free_since[node] = ended or self.clock()
@@ -369,6 +376,14 @@ class Controller:
                 filed += 1
             if filed:
                 self.place()   # trials that went back to PENDING (oom, node lost)
+
+    def _ended(self, ref) -> float | None:
+        """When an attempt ended (its agent's clock), or None where the agent failed
+        or was lost: its result says how when filed."""
+        try:
+            return self.get(ref)
+        except Exception:
+            return None
 
     def _result(self, ref, aid: int, node: str) -> AttemptResult:
         """How an attempt ended, whatever its agent did: a lost node or a failed agent
@@ -448,7 +463,7 @@ class Controller:
         free = self._place_probes(free)
         # What each sweep runs is what it has in flight: an attempt that ended this turn
         # frees its share before its trial's end is filed.
-        runs = Counter(sid for *_, sid in self.inflight.values())
+        runs = Counter(f.sweep for f in self.inflight.values())
         sweeps, turn = {}, []
         for s in self.state.running_sweeps():
             spec = json.loads(s["spec"])
@@ -744,12 +759,12 @@ class Controller:
                            checkpoint_step=ckpt[0] if ckpt else None,
                            checkpoint=ckpt[1] if ckpt else {}, flush_s=self.flush_s())
         try:
-            ref = self.agents[node.name].run.remote(spec)
+            ended, result = self.agents[node.name].run.remote(spec)
         except Exception as e:
             line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
             return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                                   message=line))
-        self.inflight[ref] = (aid, tid, node.name, t["sweep"])
+        self.inflight[ended] = Flight(aid, tid, node.name, t["sweep"], result)
         self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
 
     # ------------------------------------------------------------ outcomes

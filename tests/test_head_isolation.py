@@ -2,8 +2,9 @@
 (and its real state.db and stores): every failure is charged to the thing it
 belongs to, a sweep, an attempt, a node, and the loop goes on placing the rest.
 
-The fakes stand in for Ray only: an agent's `run.remote(spec)` returns a ref the
-test settles with a result or an exception, `wait` and `get` read those refs.
+The fakes stand in for Ray only: an agent's `run.remote(spec)` returns the refs of
+its end time and of its result, which the test settles together with a result or an
+exception; `wait` and `get` read those refs.
 Everything the controller writes is real.
 """
 
@@ -37,6 +38,27 @@ class Ref:
         self.done, self.value, self.error = True, value, error
 
 
+class EndOf:
+    """The ref of a run's end time: settled with its run's ref."""
+
+    what = "ended"
+
+    def __init__(self, run: Ref):
+        self.run = run
+
+    @property
+    def done(self):
+        return self.run.done
+
+    @property
+    def error(self):
+        return self.run.error
+
+    @property
+    def value(self):
+        return self.run.value.ended
+
+
 class Method:
     def __init__(self, agent: "Agent", name: str):
         self.agent, self.name = agent, name
@@ -48,7 +70,7 @@ class Method:
         self.agent.calls.append(ref)
         if self.name in ("ping", "cancel"):
             ref.settle(True)
-        return ref
+        return (EndOf(ref), ref) if self.name == "run" else ref
 
 
 class Agent:
@@ -105,11 +127,11 @@ class World:
             c.turn()
 
 
-def ok(ref: Ref, aid: int, adapter_dir: Path) -> None:
+def ok(ref: Ref, aid: int, adapter_dir: Path, ended: float | None = None) -> None:
     files = {n: (adapter_dir / n).read_bytes()
              for n in ("adapters.safetensors", "adapter_config.json")}
     ref.settle(AttemptResult(attempt=aid, outcome="succeeded", steps=2, final_loss=1.0,
-                             val_loss=1.5, ended=None, adapter=files))
+                             val_loss=1.5, ended=ended, adapter=files))
 
 
 def running(agent: Agent) -> list[Ref]:
@@ -220,7 +242,8 @@ def test_results_past_the_byte_bound_wait_in_rays_store_and_are_filed_in_turn(
     """The head holds ended results (their adapters) in memory up to UNFILED_BYTES;
     past that, an ended attempt's node is freed at once but its result is fetched
     only when its turn to be filed comes, and one whose node died meanwhile is a
-    lost node's attempt: run again."""
+    lost node's attempt: run again. A node counts as free from its engine's exit,
+    fetched or not."""
     monkeypatch.setattr(head_mod, "UNFILED_BYTES", 1)   # the first result held fills it
     monkeypatch.setattr(head_mod, "FILE_S", 0.0)        # one filed per turn
     world = World(names=("a", "b", "c"))
@@ -232,14 +255,18 @@ def test_results_past_the_byte_bound_wait_in_rays_store_and_are_filed_in_turn(
     world.turns(c, 1)
     refs = sorted((r for a in world.agents.values() for r in running(a)),
                   key=lambda r: r.args[0].attempt)
+    node = {id(r): name for name, a in world.agents.items() for r in a.runs()}
     assert len(refs) == 3
-    for r in refs[:2]:
-        ok(r, r.args[0].attempt, adapter_dir)
+    exits = [world.now - 1.5, world.now - 0.5]
+    for r, t in zip(refs[:2], exits):
+        ok(r, r.args[0].attempt, adapter_dir, ended=t)
     refs[2].settle(error=ray.exceptions.RayActorError())   # its node died after it ended
     world.turns(c, 1)
     # the first result was fetched and filed; the other two wait as refs, their nodes free
     assert fetched == [refs[0]] and c.unfiled_bytes == 0
     assert not any(c.held.get(n) for n in "abc")
+    # free from their engines' exits, the second's result unfetched; the lost one's from now
+    assert [c.free_since[node[id(r)]] for r in refs] == [*exits, world.now]
     assert [aid for aid, *_ in c.to_file] == [r.args[0].attempt for r in refs[1:]]
     world.turns(c, 2)
     assert fetched == refs and not c.to_file and c.unfiled_bytes == 0
