@@ -36,6 +36,7 @@ SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle
     "test_hygiene.py::test_attempt_folders_do_not_pile_up_on_a_node",             # 6 s
     "test_orpo.py::test_prefix_shared_peak_is_below_two_branch",                  # 4 s
     "test_hostile.py::test_refused_by_the_real_process",   # 3 s; the same cases run in-process
+    "test_bench_suite.py::test_the_mac_plan_runs_end_to_end_at_a_tiny_size",   # 6 processes, 40 s
     # end-to-end runs of a whole job through the CLI or a fresh process, 4-9 s each;
     # the fast lane keeps the unit tests of the same parts
     "test_stores.py::test_a_crash_during_seal_leaves_nothing_half_written",     # 9 s
