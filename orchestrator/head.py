@@ -74,7 +74,6 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
 class Flight(NamedTuple):
     """An attempt handed to its node's agent, and the refs of what it returns."""
     attempt: int
-    trial: str
     node: str
     sweep: str
     result: object   # the ref of its AttemptResult (its end time's ref is the key)
@@ -348,13 +347,14 @@ class Controller:
             if ref in self.probing:
                 self._probed(ref)
                 continue
-            aid, _, node, _, result = self.inflight.pop(ref)
-            ended = self._ended(ref)
+            aid, node, _, result = self.inflight.pop(ref)
             if self.unfiled_bytes < UNFILED_BYTES:
                 result = self._result(result, aid, node)
                 self.unfiled_bytes += _adapter_bytes(result)
-            # else its result is fetched when its turn comes: the head's memory stays
-            # bounded, and the node counts as free from its engine's exit all the same.
+                ended = result.ended
+            else:   # its result is fetched when its turn comes: the head's memory stays
+                # bounded; the end time alone says when its node became free
+                ended = self._ended(ref)
             self.to_file.append((aid, result, node))
             with self.mu:
                 self.held.get(node, {}).pop(aid, None)
@@ -764,7 +764,7 @@ class Controller:
             line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
             return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                                   message=line))
-        self.inflight[ended] = Flight(aid, tid, node.name, t["sweep"], result)
+        self.inflight[ended] = Flight(aid, node.name, t["sweep"], result)
         self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
 
     # ------------------------------------------------------------ outcomes
