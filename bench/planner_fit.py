@@ -17,8 +17,10 @@ ORPO rows (`ORPO_MODELS`) run a preference row of a P-token prompt and two R-tok
 responses, two-branch (`method` orpo, seq = P + R) and prefix-shared
 (orpo-shared, seq = P + 2R), against the same estimate with their method.
 `--long` runs rows longer than their MLP chunk (`LONG_MODELS`: mlp_chunk, and
-the boundaries offloaded to disk). A summary goes to stderr. About 2 minutes on
-two CPU cores.
+the boundaries offloaded to disk), then `HELD_OUT_LONG`: shapes the planner's
+constants were not fitted to, whose rows say `held_out`. A summary goes to stderr.
+On two CPU cores the default run takes about 2 minutes, `--long` about 16 (its
+bf16 rows are slow there).
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ MODELS = [
 
 # (arch, layers, hidden, vocab, dtype) -> long cases (seq, segment_size, attn_block, mlp_chunk,
 # offload): the MLP in chunks of rows, the boundaries on disk.
+LLAMA_MLP = {"intermediate_size": 1024, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 128}   # MLP-heavy: two heads of 128, intermediate 4x hidden
+LLAMA_GQA = {"intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "head_dim": 32}    # eight query heads over two K/V heads
+
+# (arch, layers, hidden, vocab, dtype[, config overrides]) -> long cases (seq, segment_size,
+# attn_block, mlp_chunk, offload): the MLP in chunks of rows (0: whole), the boundaries on disk.
 LONG_MODELS = [
     (("qwen3", 8, 64, 300, "float32"),
      [(seq, seg, 512, chunk, off) for seq in (2048, 4096) for seg in (1, 2)
@@ -69,6 +78,27 @@ LONG_MODELS = [
     (("llama", 6, 128, 4000, "float32"),
      [(seq, 1, 1024, chunk, off) for seq in (2048, 4096)
       for chunk, off in ((0, False), (512, False), (512, True))]),
+    (("llama", 4, 256, 2000, "float32", LLAMA_MLP),
+     [(3072, 1, 256, 0, False), (3072, 1, 256, 384, False), (3072, 2, 256, 384, True)]),
+    (("qwen3", 6, 128, 1000, "bfloat16"),
+     [(3072, 1, 768, 0, False), (3072, 3, 768, 512, False), (3072, 1, 768, 512, True)]),
+    (("llama", 4, 256, 2000, "float32", LLAMA_GQA),
+     [(2048, seg, ab, chunk, False) for seg in (1, 2) for ab in (256, 1024)
+      for chunk in (0, 256)]),
+    (("llama", 3, 256, 1000, "bfloat16", LLAMA_MLP),
+     [(2048, 1, 512, 0, False), (2048, 1, 512, 512, False)]),
+]
+
+# Held out: shapes and lengths none of the planner's constants was fitted to, run
+# after the rows above (their rows say held_out).
+HELD_OUT_LONG = [
+    (("qwen3", 5, 192, 1500, "float32",
+      {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}),
+     [(3584, 1, 512, 0, False), (3584, 2, 512, 448, False), (3584, 1, 512, 448, True)]),
+    (("llama", 3, 384, 800, "bfloat16",
+      {"intermediate_size": 1536, "num_attention_heads": 3, "num_key_value_heads": 1,
+       "head_dim": 128}),
+     [(2560, 1, 640, 0, False), (2560, 1, 640, 320, False)]),
 ]
 
 # (arch, layers, hidden, vocab, dtype) -> ORPO cases (prompt P, response R, segment_size, method).
@@ -83,11 +113,12 @@ ORPO_MODELS = [
 
 
 def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: int,
-                      dtype: str = "float32") -> Path:
-    """A random `arch` model of this shape in Hugging Face layout (weights in `dtype`)."""
+                      dtype: str = "float32", config: dict | None = None) -> Path:
+    """A random `arch` model of this shape in Hugging Face layout (weights in `dtype`;
+    `config` overrides more of config.json)."""
     corpus = [f"{r['prompt']} {r['completion']}" for r in demo_examples(100, 1)]
     write_model(folder, arch, corpus=corpus, layers=layers, hidden=hidden,
-                extra_config={"vocab_size": vocab, "torch_dtype": dtype})
+                extra_config={"vocab_size": vocab, "torch_dtype": dtype, **(config or {})})
     if dtype != "float32":
         path = folder / "model.safetensors"
         weights = {k: v.astype(getattr(mx, dtype)) for k, v in mx.load(str(path)).items()}
@@ -130,11 +161,14 @@ def preference_row(P: int, R: int, vocab: int, seed: int = 0) -> PreferenceExamp
 def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = (ORPO_MODELS if "--orpo" in sys.argv else LONG_MODELS if "--long" in sys.argv
+        models = (ORPO_MODELS if "--orpo" in sys.argv
+                  else LONG_MODELS + HELD_OUT_LONG if "--long" in sys.argv
                   else MODELS + ORPO_MODELS)
-        for (arch, layers, hidden, vocab, dtype), cases in models:
-            folder = write_bench_model(Path(tmp) / f"{arch}-{layers}-{hidden}-{dtype}",
-                                       arch, layers, hidden, vocab, dtype)
+        for i, ((arch, layers, hidden, vocab, dtype, *config), cases) in enumerate(models):
+            held_out = any(cases is held for _, held in HELD_OUT_LONG)
+            # numbered: the default run meets a shape twice (its SFT and ORPO cases)
+            folder = write_bench_model(Path(tmp) / f"{i}-{arch}-{layers}-{hidden}-{dtype}",
+                                       arch, layers, hidden, vocab, dtype, *config)
             info = model_info(str(folder))
             model, _ = load_model(folder)
             apply_lora(model, rank=RANK, scale=20.0, dropout=0.0)
@@ -161,7 +195,8 @@ def main() -> None:
                            **(dict(offload=True) if off else {}),
                            grad_checkpoint=ckpt, measured_gb=round(measured, 5),
                            predicted_gb=round(predicted, 5), ratio=round(predicted / measured, 3),
-                           seconds=round(time.perf_counter() - tic, 2), info=info.to_dict())
+                           seconds=round(time.perf_counter() - tic, 2), info=info.to_dict(),
+                           **(dict(held_out=True) if held_out else {}))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             # Free this model before the next: peak memory counts everything alive.
@@ -172,6 +207,9 @@ def main() -> None:
     orpo = [r["ratio"] for r in rows if r.get("method", "sft") != "sft"]
     if orpo:
         print(f"orpo rows: ratio min {min(orpo):.3f} max {max(orpo):.3f}", file=sys.stderr)
+    held = [r["ratio"] for r in rows if r.get("held_out")]
+    if held:
+        print(f"held-out rows: ratio min {min(held):.3f} max {max(held):.3f}", file=sys.stderr)
     long = [r["ratio"] for r in rows if r["seq"] >= 256]
     print(f"{len(rows)} rows: ratio min {min(ratios):.3f} max {max(ratios):.3f}; "
           f"seq >= 256: min {min(long):.3f} max {max(long):.3f}; "

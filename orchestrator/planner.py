@@ -6,15 +6,17 @@ engine/attention.py, engine/train.py): the weights and the LoRA optimizer state
 for the whole step, the segment boundaries, and on top of them the largest of the
 transients (a layer's forward, one loss-head chunk, one segment's backward). The
 multipliers are fitted to the engine's own measured peaks on a 2-core x86-64 CPU
-(`python -m bench.planner_fit`, rows in bench/results/planner-cpu.jsonl) so that
-every measured row sits at or under its prediction (ratios 1.05-1.47 there).
+(`python -m bench.planner_fit [--long]`, rows in bench/results/planner-*.jsonl) so
+that every measured row sits at or under its prediction: 1.007-1.26 on short rows,
+1.005-1.20 on rows longer than an attention block, 1.01-1.15 on held-out shapes.
 
 MLX's attention is unfused whenever gradients are traced (CPU always; Metal too:
-"it's faster for training on Metal to use the unfused SDPA"), so every layer's
-forward holds its [heads, L, L] scores for a moment, blocked backward or not.
-MLX on CUDA fuses it, so there long blocked rows are over-predicted several
-times (bench/results/h200-*.jsonl); a fleet corrects a systematic error with
-the planner's `scale`.
+"it's faster for training on Metal to use the unfused SDPA"), so a layer's
+forward holds its [heads, L, L] scores for a moment, or one block's
+[heads, attn_block, L] on a row longer than a block (the step's masks cut every
+pass of attention into blocks there). MLX on CUDA fuses it, so there rows past
+32K tokens are over-predicted up to 2x (bench/README.md); a fleet corrects a
+systematic error with the planner's `scale`.
 
 `plan` turns predictions into a decision against a node's budget:
 `memory.segment_size: auto` gets the fastest size whose prediction stays under
@@ -50,16 +52,30 @@ TRANSIENT_WIDTH = 0.5    # ... that a layer's forward or backward adds while it 
 SAVED_SCORES = 1.0       # [heads, L, L] attention matrices a layer keeps for its backward (probs)
 BACKWARD_SCORES = 3.25   # ... that its backward adds: d(probs), d(scores), their product
 FORWARD_SCORES = 1.8     # ... that its unfused forward holds at once: scores, probs
-BLOCK_SCORES = 3.25      # [heads, attn_block, L] matrices one query block of the blocked backward holds
 MASK_BYTES = 2.0         # bytes per [L, L] entry of the causal mask unfused attention builds
-HEAD_COPIES = 3.6        # fp32 [tokens, vocab] matrices the head holds: logits, exp, cotangent
-PLAIN_HEAD_EXTRA = 1.5   # more fp32 [L, vocab] copies in plain mode's unchunked cross-entropy
+HEAD_COPIES = 3.8        # fp32 [tokens, vocab] matrices the head holds: logits, exp, cotangent
+PLAIN_HEAD_EXTRA = 3.4   # more fp32 [L, vocab] copies in plain mode: the model's own forward's
+                         # logits, the read rows gathered from them, and their unchunked
+                         # cross-entropy and its backward
 HALF_BYTES = 2.75        # bytes an activation entry costs in a bf16/fp16 model (see _peak_bytes)
+STORED_OPS = 2           # [L, hidden]-sized values a layer's backward in pieces keeps besides
+                         # its attention inputs: the MLP's input and output
+
+# Rows longer than an attention block (fitted with bench/planner_fit.py --long):
+BLOCK_SCORES = 3.55      # [heads, attn_block, keys] matrices one query block's backward holds
+HALF_SCORE_BYTES = 2.15  # ... bytes per entry of those in a bf16/fp16 model
+BLOCK_KEYS = 1.0         # fp32 [keys, head_dim] arrays per query head beside them (K, V gathered
+                         # and spread over the query heads, their gradients)
+STORED_Q = 4.15          # [L, heads x head_dim] arrays a layer's backward in pieces keeps whole:
+                         # q, o, dO, dq, and a join
+ROW_WIDTH = 0.75         # a chunk's per-token activations (_layer_width) that a layer run rows
+                         # apart holds in its backward
+PASS_WIDTH = 0.65        # ... that one vjp pass of a layer's backward in passes holds, whole-row,
+PASS_MLP = 4.6           # ... and of its MLP's share: the MLP's values and gradients at once
+
 TIME_TIE = 0.10          # measured step times this close count as equal (auto takes the larger size)
 DISK_GBPS = 2.0          # boundaries written and read back per second with memory.offload disk:
                          # a Mac's SSD does several GB/s; the planner's time term is its cost
-STORED_OPS = 2           # [L, hidden]-sized values a layer's backward in pieces keeps besides
-                         # its attention inputs: the MLP's input and output
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _CONFIG_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -312,16 +328,24 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # with their grads and AdamW moments (fp32 whatever the model's dtype).
     resident = info.weight_bytes + LORA_COPIES * F32 * _lora_params(info, rank, n_lora)
     # One [L, hidden] hidden state: a segment boundary, dh, a recomputed layer input.
+    # Stored, it is the model's dtype (`state`); being computed, it costs `a`.
     hidden_state = L * info.hidden * a
+    state = L * info.hidden * info.act_bytes
     # One [heads, L, L] attention matrix, with the [L, L] causal mask built beside it.
     scores = (info.heads * a + MASK_BYTES) * L * L
+    # A row longer than a block: every pass of a layer takes its attention in blocks
+    # of attn_block query rows (the step's masks cut it so, engine/step.py), so the
+    # scores alive at once are one block's, and no [L, L] mask is built.
+    blocked = 0 < attn_block < L - 1
+    sa = a if a >= F32 else HALF_SCORE_BYTES   # a block's scores, in half precision
+    block_scores = info.heads * attn_block * L * sa if blocked else scores
     # A decoder layer's per-token activations (projections, norms, MLP).
     width = L * _layer_width(info) * a
     # What a layer under vjp keeps for its backward; what running its backward or
     # its forward adds while it runs.
     layer_saved = SAVED_WIDTH * width + SAVED_SCORES * scores
     layer_backward = TRANSIENT_WIDTH * width + BACKWARD_SCORES * scores
-    layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * scores
+    layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * block_scores
     # The loss head per (token, vocab) entry: fp32 logits, exp and cotangent; a
     # half-precision model also holds the logits and their cotangent in its dtype.
     head_entry = HEAD_COPIES * F32 + (2 * info.act_bytes if info.act_bytes < F32 else 0)
@@ -341,7 +365,11 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # a segment works on is in memory (twice as it arrives: read, then copied into
     # MLX), and one more in flight (being written in the forward, read ahead in the
     # backward: engine/offload.py); one more for the allocator's slack, fitted.
-    boundaries = streams * ((4 if offload else math.ceil(n / s)) + 3) * hidden_state
+    boundaries = streams * ((4 if offload else math.ceil(n / s)) + 3) * state
+    # Attention's query-sized ([L, heads x head_dim]) values, stored, and its K/V
+    # entries per head.
+    qo = L * info.heads * info.head_dim * info.act_bytes
+    kv = L * info.kv_heads * info.head_dim
     head = min(head_chunk, L) * info.vocab * head_entry
     pieces = 0 < attn_block < L - 1 or 0 < mlp_chunk < L
     if 0 < mlp_chunk < L:
@@ -350,52 +378,61 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # the MLP's input, output and cotangents whole (engine/layer.py).
         mlp = 4 * info.intermediate * a
         width = width - L * mlp + mlp_chunk * mlp + STORED_OPS * hidden_state
-        layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * scores
+        layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * block_scores
     if pieces and rows and info.model_type in ROWWISE_FAMILIES and 0 < mlp_chunk < L:
         # engine/rows.py: every row-wise op of the layer (norms, projections and
         # their LoRA, RoPE, residuals, the MLP) runs mlp_chunk rows at a time; only
         # q, k, v, the attention output, their gradients (dk, dv summed in fp32),
         # the layer's input and its input gradient are whole-row.
-        qo = L * info.heads * info.head_dim * a
-        kv = L * info.kv_heads * info.head_dim
         chunk_width = mlp_chunk * _layer_width(info) * a
         # Attention in attn_block-row blocks, forward (the step's masks cut it so)
         # and backward; a row no longer than a block, whole.
-        if 0 < attn_block < L - 1:
-            # Past ATTN_TILED_ABOVE tokens a block's backward holds one tile of keys'
-            # scores, and its dK, dV in fp32 beside the row's sums.
-            tiled = L > ATTN_TILED_ABOVE
-            keys = ATTN_KEY_TILE if tiled else L
-            block = (BLOCK_SCORES * info.heads * attn_block * keys * a
-                     + (2 * kv * F32 if tiled else 0))
-            forward = FORWARD_SCORES * info.heads * attn_block * L * a
-        else:
-            block = (SAVED_SCORES + BACKWARD_SCORES) * scores
-            forward = FORWARD_SCORES * scores
+        block = _block_backward(info, L, attn_block, sa) if blocked else \
+            (SAVED_SCORES + BACKWARD_SCORES) * scores
         # The chunks' outputs and input gradients are joined at the end: two
         # [L, hidden] copies for a moment, in the forward and the backward; so
         # are dO's chunks and dq's blocks (q, o, dO, dq and one join: 5 x [L, q]).
-        layer_forward = (2 * (qo + 2 * kv * a) + qo + 2 * hidden_state
-                         + TRANSIENT_WIDTH * chunk_width + forward)
-        segment = (s * hidden_state + 2 * hidden_state + 5 * qo + 2 * kv * (a + F32)
-                   + (SAVED_WIDTH + TRANSIENT_WIDTH) * chunk_width + block)
+        layer_forward = (2 * (qo + 2 * kv * info.act_bytes) + qo + 2 * state
+                         + TRANSIENT_WIDTH * chunk_width + FORWARD_SCORES * block_scores)
+        segment = (s * state + 2 * state + STORED_Q * qo + 2 * kv * (info.act_bytes + F32)
+                   + ROW_WIDTH * chunk_width + block)
     elif pieces:
-        # A layer's backward in pieces (blocked attention, MLP chunks): the segment's
-        # layer inputs are kept, then one layer at a time runs its passes with
-        # attention's q, k, v, dO recorded (and
-        # fp32 dk, dv sums); attention holds one query block's scores or, in the
-        # record and replay passes, its forward's.
-        qkv = L * (info.heads + 2 * info.kv_heads) * info.head_dim * (a + F32)
-        if 0 < attn_block < L - 1:
-            attention = max(FORWARD_SCORES * scores,
-                            BLOCK_SCORES * info.heads * attn_block * L * a)
-        else:   # the MLP in chunks, attention whole under the layer's own vjp
-            attention = (SAVED_SCORES + BACKWARD_SCORES) * scores
-        segment = s * hidden_state + (SAVED_WIDTH + TRANSIENT_WIDTH) * width + qkv + attention
+        # A layer's backward in passes (engine/layer.py), the segment's layer inputs
+        # kept. Through every pass the layer's input, attention's stored q, k, v and
+        # output, dO and the fp32 dq, dk, dv are alive (as rows apart, above). On top
+        # of them either a pass's vjp of the layer's own work (its MLP whole unless
+        # chunked) or, blocked, one query block's backward: the passes are evaluated
+        # before the blocks run, so the larger of the two counts, not their sum.
+        # Attention not blocked is inside the passes' vjp itself.
+        stored = 2 * state + STORED_Q * qo + 2 * kv * (info.act_bytes + F32)
+        # The MLP's share (its four [rows, intermediate] activations) is held twice
+        # over by a pass, its gradients beside its values; the rest less.
+        mlp_part = (mlp_chunk if 0 < mlp_chunk < L else L) * 4 * info.intermediate * a
+        passes = PASS_WIDTH * (width - mlp_part) + PASS_MLP * mlp_part
+        if blocked:
+            segment = (s * state + stored
+                       + max(passes, _block_backward(info, L, attn_block, sa)))
+        else:
+            segment = (s * state + stored + passes
+                       + (SAVED_SCORES + BACKWARD_SCORES) * scores)
     else:
         # The segment's s layers under one vjp, then the backward of each.
         segment = s * layer_saved + layer_backward
     return resident + boundaries + max(layer_forward, head, segment)
+
+
+def _block_backward(info: ModelInfo, L: int, attn_block: int, a: float) -> float:
+    """Bytes one query block of the blocked attention backward adds (engine/attention.py):
+    its [heads, attn_block, keys] scores and their gradients, and per key and query
+    head what MLX's backward holds beside them (the block's K, V gathered and spread
+    over the query heads, their gradients before they join the fp32 sums). Past
+    ATTN_TILED_ABOVE tokens the keys go a tile at a time, with the tile's dK, dV
+    in fp32 beside the row's sums."""
+    tiled = L > ATTN_TILED_ABOVE
+    keys = ATTN_KEY_TILE if tiled else L
+    return (BLOCK_SCORES * info.heads * attn_block * keys * a
+            + BLOCK_KEYS * info.heads * keys * info.head_dim * F32
+            + (2 * L * info.kv_heads * info.head_dim * F32 if tiled else 0))
 
 
 # ---------------------------------------------------------------- the decision
