@@ -58,6 +58,8 @@ PLAIN_HEAD_EXTRA = 3.4   # more fp32 [L, vocab] copies in plain mode: the model'
                          # logits, the read rows gathered from them, and their unchunked
                          # cross-entropy and its backward
 HALF_BYTES = 2.75        # bytes an activation entry costs in a bf16/fp16 model (see _peak_bytes)
+HELD_STATES = 3          # [L, hidden] arrays a segmented step holds beside its boundaries (dh,
+                         # the head's pieces of it, the allocator's slack)
 STORED_OPS = 2           # [L, hidden]-sized values a layer's backward in pieces keeps besides
                          # its attention inputs: the MLP's input and output
 
@@ -365,7 +367,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # a segment works on is in memory (twice as it arrives: read, then copied into
     # MLX), and one more in flight (being written in the forward, read ahead in the
     # backward: engine/offload.py); one more for the allocator's slack, fitted.
-    boundaries = streams * ((4 if offload else math.ceil(n / s)) + 3) * state
+    boundaries = streams * ((4 if offload else math.ceil(n / s)) + HELD_STATES) * state
     # Attention's query-sized ([L, heads x head_dim]) values, stored, and its K/V
     # entries per head.
     qo = L * info.heads * info.head_dim * info.act_bytes
