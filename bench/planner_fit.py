@@ -99,6 +99,13 @@ HELD_OUT_LONG = [
       {"intermediate_size": 1536, "num_attention_heads": 3, "num_key_value_heads": 1,
        "head_dim": 128}),
      [(2560, 1, 640, 0, False), (2560, 1, 640, 320, False)]),
+    (("qwen3", 4, 160, 1200, "float32",
+      {"num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 32}),
+     [(3000, 1, 600, 0, False), (3000, 2, 600, 375, False), (3000, 1, 600, 375, True)]),
+    (("llama", 3, 320, 900, "bfloat16",
+      {"intermediate_size": 1280, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "head_dim": 64}),
+     [(2304, 1, 384, 0, False), (2304, 1, 384, 288, False)]),
 ]
 
 # (arch, layers, hidden, vocab, dtype) -> ORPO cases (prompt P, response R, segment_size, method).
