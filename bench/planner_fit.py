@@ -168,11 +168,12 @@ def preference_row(P: int, R: int, vocab: int, seed: int = 0) -> PreferenceExamp
 def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = (ORPO_MODELS if "--orpo" in sys.argv
-                  else LONG_MODELS + HELD_OUT_LONG if "--long" in sys.argv
+        fitted = (ORPO_MODELS if "--orpo" in sys.argv else LONG_MODELS if "--long" in sys.argv
                   else MODELS + ORPO_MODELS)
-        for i, ((arch, layers, hidden, vocab, dtype, *config), cases) in enumerate(models):
-            held_out = any(cases is held for _, held in HELD_OUT_LONG)
+        held = HELD_OUT_LONG if "--long" in sys.argv else []
+        models = [(m, False) for m in fitted] + [(m, True) for m in held]
+        for i, (((arch, layers, hidden, vocab, dtype, *config), cases), held_out) in enumerate(
+                models):
             # numbered: the default run meets a shape twice (its SFT and ORPO cases)
             folder = write_bench_model(Path(tmp) / f"{i}-{arch}-{layers}-{hidden}-{dtype}",
                                        arch, layers, hidden, vocab, dtype, *config)

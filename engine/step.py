@@ -666,10 +666,11 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
             for i in reversed(range(lo, hi)):
                 dh = _unit_vjp(parts, fwd, i, i + 1, xs.pop(), kv, dh, dkv, params, grads,
                                seed, block, chunk)
-                # Evaluated layer by layer: an unevaluated dh would keep this layer's
-                # last vjp graph (its whole-row activations) alive through the next
-                # layer's backward.
-                mx.eval(dh, dkv, [grads[name] for name, _, _, _ in params[i]])
+                # Evaluated layer by layer (the segment's first layer below, with the
+                # rest): an unevaluated dh would keep this layer's last vjp graph (its
+                # whole-row activations) alive through the next layer's backward.
+                if i > lo:
+                    mx.eval(dh, dkv, [grads[name] for name, _, _, _ in params[i]])
         if k == 0:
             dh = None  # no LoRA on the embedding
         mx.eval(dh, dkv, [grads[name] for i in range(lo, hi) for name, _, _, _ in params[i]])

@@ -372,6 +372,10 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # entries per head.
     qo = L * info.heads * info.head_dim * info.act_bytes
     kv = L * info.kv_heads * info.head_dim
+    # What a layer's backward in pieces keeps whole through it, rows apart or in
+    # passes: its input and input gradient, q, o, dO, dq and a join, K and V with
+    # their fp32 gradient sums.
+    stored = 2 * state + STORED_Q * qo + 2 * kv * (info.act_bytes + F32)
     head = min(head_chunk, L) * info.vocab * head_entry
     pieces = 0 < attn_block < L - 1 or 0 < mlp_chunk < L
     if 0 < mlp_chunk < L:
@@ -396,8 +400,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # are dO's chunks and dq's blocks (q, o, dO, dq and one join: 5 x [L, q]).
         layer_forward = (2 * (qo + 2 * kv * info.act_bytes) + qo + 2 * state
                          + TRANSIENT_WIDTH * chunk_width + FORWARD_SCORES * block_scores)
-        segment = (s * state + 2 * state + STORED_Q * qo + 2 * kv * (info.act_bytes + F32)
-                   + ROW_WIDTH * chunk_width + block)
+        segment = s * state + stored + ROW_WIDTH * chunk_width + block
     elif pieces:
         # A layer's backward in passes (engine/layer.py), the segment's layer inputs
         # kept. Through every pass the layer's input, attention's stored q, k, v and
@@ -406,7 +409,6 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # chunked) or, blocked, one query block's backward: the passes are evaluated
         # before the blocks run, so the larger of the two counts, not their sum.
         # Attention not blocked is inside the passes' vjp itself.
-        stored = 2 * state + STORED_Q * qo + 2 * kv * (info.act_bytes + F32)
         # The MLP's share (its four [rows, intermediate] activations) is held twice
         # over by a pass, its gradients beside its values; the rest less.
         mlp_part = (mlp_chunk if 0 < mlp_chunk < L else L) * 4 * info.intermediate * a
