@@ -19,8 +19,11 @@ from segctl.schemas.records import ProbeSpec
 
 from .conftest import assert_one_line_error, probe_fresh, segctl
 
-GRID = [(L, s) for L in (192, 384, 768) for s in (1, 2, 4)]
-OFF_GRID = [(288, 3), (576, 3), (576, 1), (288, 4)]
+# Lengths where the tiny model's peaks are mostly its terms, not allocator rounding:
+# at 192 tokens one 131 KB buffer freed earlier or later moved the smallest peak
+# by 1% from run to run, on top of 8% of leave-one-out extrapolation to that corner.
+GRID = [(L, s) for L in (256, 512, 1024) for s in (1, 2, 4)]
+OFF_GRID = [(384, 3), (768, 3), (768, 1), (384, 4)]
 
 
 def _probe(model: str, points, budget: float = 100.0, **kw) -> list[dict]:
@@ -63,7 +66,7 @@ def test_probes_measure_every_point_with_each_phases_own_peak(probed):
     for L, s in GRID:
         if s > 1:
             assert peak[(L, s)] > peak[(L, s // 2)]
-        if L > 192:
+        if L > GRID[0][0]:
             assert peak[(L, s)] > peak[(L // 2, s)]
 
 
@@ -82,11 +85,11 @@ def test_the_fit_predicts_held_out_and_unprobed_points_within_ten_percent(probed
 def test_a_point_the_guard_stops_is_a_measured_does_not_fit(demo_dir, probed):
     _, grid, _ = probed
     peak = {(e["seq_len"], e["segment_size"]): e["peak_gb"] for e in grid}
-    budget = (peak[(384, 1)] + peak[(384, 2)]) / 2
-    events = _probe(str(demo_dir / "model"), [(384, 1), (384, 2), (768, 1)], budget=budget)
+    budget = (peak[(512, 1)] + peak[(512, 2)]) / 2
+    events = _probe(str(demo_dir / "model"), [(512, 1), (512, 2), (1024, 1)], budget=budget)
     fits = {(e["seq_len"], e["segment_size"]): e for e in events}
-    assert fits[(384, 1)]["fits"]
-    for p in ((384, 2), (768, 1)):
+    assert fits[(512, 1)]["fits"]
+    for p in ((512, 2), (1024, 1)):
         e = fits[p]
         assert not e["fits"] and e["step_s"] is None and e["steps"] == 0
         assert e["peak_gb"] >= budget and "crossed memory.budget_gb" in e["message"]
@@ -127,16 +130,16 @@ def test_auto_takes_the_fastest_size_that_fits_the_measured_model(demo_dir, prob
     model = _model([dict(e, step_s=1.0) for e in grid])
     info = _info(demo_dir)
     peak = {(e["seq_len"], e["segment_size"]): e["peak_gb"] for e in grid}
-    # room for size 2 at 768 tokens but not size 4 (the fitted curve is at least the measured peak)
-    budget = (peak[(768, 2)] * 1.05 + peak[(768, 4)] * 0.95) / 2 / 0.85
-    p = planner.plan(info, _job(), seq_len=768, budget_gb=budget, measured=model)
+    # room for size 2 at 1024 tokens but not size 4 (the fitted curve is at least the measured peak)
+    budget = (peak[(1024, 2)] * 1.05 + peak[(1024, 4)] * 0.95) / 2 / 0.85
+    p = planner.plan(info, _job(), seq_len=1024, budget_gb=budget, measured=model)
     assert p.fits and p.source == "measured" and p.segment_size == 2, p.reason
     assert "measured" in p.reason and p.predicted_gb <= budget * 0.85
     # the same job without measurements: the analytic estimate, and it says so
-    q = planner.plan(info, _job(), seq_len=768, budget_gb=budget)
+    q = planner.plan(info, _job(), seq_len=1024, budget_gb=budget)
     assert q.source == "analytic" and "not tuned" in q.reason
-    # rows far longer than any probe: back to the estimate, with the reason
-    r = planner.plan(info, _job(), seq_len=1600, budget_gb=budget, measured=model)
+    # rows over twice the longest probe (and not yet blocked): back to the estimate
+    r = planner.plan(info, _job(), seq_len=2049, budget_gb=budget, measured=model)
     assert r.source == "analytic" and "longest probe" in r.reason
 
 
@@ -150,10 +153,10 @@ def test_measured_times_pick_the_fastest_and_near_ties_go_to_the_larger_size(dem
         return _model(timed)
 
     for fast in (1, 2, 4):
-        p = planner.plan(info, _job(), seq_len=384, budget_gb=10.0, measured=with_times(fast))
+        p = planner.plan(info, _job(), seq_len=512, budget_gb=10.0, measured=with_times(fast))
         assert p.segment_size == fast, p.reason
     flat = _model([dict(e, step_s=1.0) for e in grid])
-    p = planner.plan(info, _job(), seq_len=384, budget_gb=10.0, measured=flat)
+    p = planner.plan(info, _job(), seq_len=512, budget_gb=10.0, measured=flat)
     assert p.segment_size == 4 and "fastest" in p.reason
 
 
@@ -161,16 +164,16 @@ def test_a_stopped_probe_keeps_its_point_and_larger_ones_out_of_every_plan(demo_
     _, grid, _ = probed
     info = _info(demo_dir)
     budget = 10.0
-    # pretend the guard stopped (384, 2) on this class: every plan at >= 384 tokens
+    # pretend the guard stopped (512, 2) on this class: every plan at >= 512 tokens
     # must stay at size 1 whatever the fit says
     stopped = [dict(e, fits=False, peak_gb=budget, step_s=None)
-               if (e["seq_len"], e["segment_size"]) == (384, 2) else dict(e, step_s=1.0)
+               if (e["seq_len"], e["segment_size"]) == (512, 2) else dict(e, step_s=1.0)
                for e in grid]
     model = _model(stopped)
-    for L in (384, 500, 768):
+    for L in (512, 700, 1024):
         p = planner.plan(info, _job(), seq_len=L, budget_gb=budget, measured=model)
         assert p.fits and p.segment_size == 1, (L, p.reason)
-    assert planner.plan(info, _job(), seq_len=200, budget_gb=budget,
+    assert planner.plan(info, _job(), seq_len=300, budget_gb=budget,
                         measured=model).segment_size == 4
 
 
@@ -180,8 +183,8 @@ def test_a_different_lora_rank_is_adjusted_not_refitted(demo_dir, probed):
     info = _info(demo_dir)
     at = lambda rank: planner.plan(info, _job(segment_size=2).model_copy(
         update={"lora": _job().lora.model_copy(update={"rank": rank})}),
-        seq_len=384, budget_gb=10.0, measured=model).predicted_gb
-    assert at(8) == pytest.approx(model.predict(384, 2), abs=1e-4)
+        seq_len=512, budget_gb=10.0, measured=model).predicted_gb
+    assert at(8) == pytest.approx(model.predict(512, 2), abs=1e-4)
     extra = planner.LORA_COPIES * 4 * planner._lora_params(info, 8, info.n_layers) / 1e9
     assert at(16) - at(8) == pytest.approx(extra, abs=2e-4)
 
@@ -230,7 +233,7 @@ def test_the_plan_table_keeps_every_point_and_reads_the_latest(tmp_path, probed)
     stores.put_probe("m-key", again)
     got = measured.read_plan(tmp_path, "m-key")
     assert len(got) == 3
-    first = next(r for r in got if (r["seq_len"], r["segment_size"]) == (192, 1))
+    first = next(r for r in got if (r["seq_len"], r["segment_size"]) == (256, 1))
     assert first["tune"] == "t2" and first["peak_gb"] == 0.5
     files = list((tmp_path / "telemetry" / "plan" / "model=m-key").glob("*.parquet"))
     assert len(files) == 4   # nothing overwritten
