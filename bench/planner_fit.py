@@ -3,6 +3,8 @@
     python -m bench.planner_fit > bench/results/planner-cpu.jsonl
     python -m bench.planner_fit --orpo      # the ORPO rows only
     python -m bench.planner_fit --long > bench/results/planner-long-cpu.jsonl
+    python -m bench.planner_fit --block > bench/results/planner-block-cpu.jsonl
+    python -m bench.planner_fit --phases > bench/results/planner-phases-cpu.jsonl
 
 Each model is a small random one written by `engine.demo.write_model` (the
 vocabulary widened through the config, so ids beyond the toy tokenizer exist),
@@ -18,9 +20,17 @@ responses, two-branch (`method` orpo, seq = P + R) and prefix-shared
 (orpo-shared, seq = P + 2R), against the same estimate with their method.
 `--long` runs rows longer than their MLP chunk (`LONG_MODELS`: mlp_chunk, and
 the boundaries offloaded to disk), then `HELD_OUT_LONG`: shapes the planner's
-constants were not fitted to, whose rows say `held_out`. A summary goes to stderr.
-On two CPU cores the default run takes about 2 minutes, `--long` about 16 (its
-bf16 rows are slow there).
+constants were not fitted to, whose rows say `held_out`. `--block` measures one
+part alone: the blocked attention backward's last query block (over every key),
+on random q, k, v of `BLOCK_SHAPES`, against `planner.block_backward` plus the
+K/V gradient sums the planner counts beside it. `--phases` takes the top layer's
+backward of each `LONG_MODELS` configuration apart where it runs (no offload):
+active memory when it starts (`base_gb`), and above that the peaks of its
+recomputed forward, of attention's backward (with what is alive when it starts)
+and of the vjps around it; the planner's long-row terms are these phases, the
+larger one counting. A summary goes to stderr. On two CPU cores the default run
+takes about 2 minutes, `--long` about 20 (its bf16 rows are slow there),
+`--block` about 1, `--phases` about 8.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,7 +50,10 @@ from segctl.engine.demo import demo_examples, write_model
 from segctl.engine.model import apply_lora, load_model, model_parts
 from segctl.engine.optim import apply_grads, make_optimizer
 from segctl.engine.step import loss_and_grads
-from segctl.orchestrator.planner import model_info, predict_gb
+from segctl.engine import attention, rows as rows_mod, step as step_mod
+from segctl.engine.attention import blocked_grads
+from segctl.orchestrator.planner import (ModelInfo, block_backward, kv_grad_sums, model_info,
+                                        predict_gb)
 from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
 
 RANK = 8
@@ -106,6 +120,15 @@ HELD_OUT_LONG = [
       {"intermediate_size": 1280, "num_attention_heads": 4, "num_key_value_heads": 2,
        "head_dim": 64}),
      [(2304, 1, 384, 0, False), (2304, 1, 384, 288, False)]),
+    # written down before the phase-by-phase refit was checked against them
+    (("qwen3", 6, 224, 1100, "float32",
+      {"intermediate_size": 672, "num_attention_heads": 7, "num_key_value_heads": 1,
+       "head_dim": 32}),
+     [(2816, 1, 704, 0, False), (2816, 2, 704, 352, False), (2816, 1, 704, 352, True)]),
+    (("llama", 4, 288, 700, "bfloat16",
+      {"intermediate_size": 1152, "num_attention_heads": 3, "num_key_value_heads": 1,
+       "head_dim": 96}),
+     [(2432, 1, 608, 0, False), (2432, 1, 608, 304, False)]),
 ]
 
 # (arch, layers, hidden, vocab, dtype) -> ORPO cases (prompt P, response R, segment_size, method).
@@ -117,6 +140,118 @@ ORPO_MODELS = [
      [(P, R, seg, m) for P, R in ((200, 56), (700, 150)) for seg in (1, 6, 0)
       for m in ("orpo", "orpo-shared")]),
 ]
+
+
+# (dtype, heads, kv_heads, head_dim, seq, attn_block): the blocked backward alone.
+BLOCK_SHAPES = [
+    (dtype, h, kv, hd, L, ab)
+    for dtype in ("float32", "bfloat16")
+    for h, kv, hd in ((1, 1, 64), (2, 1, 128), (4, 2, 32), (6, 2, 64), (8, 1, 32), (8, 8, 32))
+    for L, ab in ((1024, 256), (2048, 512), (3072, 768), (4096, 256))
+]
+
+
+def block_alone_gb(row: dict) -> float:
+    """The planner's figure for a --block row: one block's backward and the K/V
+    gradient sums (which the planner counts beside it)."""
+    info = ModelInfo(model_type="llama", n_layers=1, hidden=row["heads"] * row["head_dim"],
+                     intermediate=0, heads=row["heads"], kv_heads=row["kv_heads"],
+                     head_dim=row["head_dim"], vocab=0, weight_bytes=0,
+                     act_bytes=4 if row["dtype"] == "float32" else 2)
+    return (block_backward(info, row["seq"], row["attn_block"])
+            + kv_grad_sums(info, row["seq"])) / 1e9
+
+
+def block_row(dtype: str, heads: int, kv_heads: int, head_dim: int, L: int, ab: int) -> dict:
+    """The peak of blocked_grads' last block (rows L - ab .. L over all L keys) above
+    its inputs, against the planner's block_backward and fp32 dK, dV sums."""
+    dt = getattr(mx, dtype)
+    key = mx.random.key(0)
+    q, do = (mx.random.normal((1, heads, ab, head_dim), key=k).astype(dt)
+             for k in mx.random.split(key))
+    k, v = (mx.random.normal((1, kv_heads, L, head_dim), key=k).astype(dt)
+            for k in mx.random.split(mx.random.key(1)))
+    mx.eval(q, do, k, v)
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = blocked_grads(q, k, v, do, "causal", head_dim ** -0.5, ab)
+    mx.eval(out)
+    measured = (mx.get_peak_memory() - base) / 1e9
+    del out, q, do, k, v
+    predicted = block_alone_gb(dict(dtype=dtype, heads=heads, kv_heads=kv_heads,
+                                    head_dim=head_dim, seq=L, attn_block=ab))
+    return dict(part="block", dtype=dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                seq=L, attn_block=ab, measured_gb=round(measured, 6),
+                predicted_gb=round(predicted, 6), ratio=round(predicted / measured, 3))
+
+
+@contextmanager
+def _phase_marks(log: list):
+    """Within the block, the engine's layer backward and its phases append (label,
+    active MB, peak MB since the last mark) to `log`; the originals come back on exit."""
+    def mark(label):
+        log.append((label, mx.get_active_memory() / 1e6, mx.get_peak_memory() / 1e6))
+        mx.reset_peak_memory()
+
+    def marked(fn, before, after, evaluate=lambda r: r):
+        def run(*a, **k):
+            if before:
+                mark(before)
+            r = fn(*a, **k)
+            mx.eval(evaluate(r))
+            mark(after)
+            return r
+        return run
+
+    @contextmanager
+    def eager_blocks(original=attention.eager_blocks):
+        with original():
+            yield
+        mark("recompute")   # a pass 0 (engine/layer.py) or rows' forward (engine/rows.py)
+
+    swaps = [(attention, "blocked_grads", marked(attention.blocked_grads, "attention-start",
+                                                 "attention")),
+             (attention, "eager_blocks", eager_blocks),
+             (step_mod.rows, "vjp", marked(rows_mod.vjp, "start", "end")),
+             (step_mod, "layer_vjp", marked(step_mod.layer_vjp, "start", "end"))]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in swaps]
+    try:
+        for m, name, fn in swaps:
+            setattr(m, name, fn)
+        yield
+    finally:
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+
+
+def phase_row(model, parts, example, seg: int, ab: int, chunk: int) -> dict:
+    """The top layer's backward of one step (the second of two), taken apart."""
+    log: list = []
+    with _phase_marks(log):
+        for _ in range(2):
+            log.clear()
+            gc.collect()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            loss, grads = loss_and_grads(model, example, segment_size=seg, attn_block=ab,
+                                         mlp_chunk=chunk, parts=parts)
+            mx.eval(loss, grads)
+            del loss, grads
+    labels = [label for label, _, _ in log]
+    i = labels.index("start")
+    j = labels.index("end", i)
+    base = log[i][1]
+    inside = log[i + 1:j + 1]
+
+    def peak(*which):
+        return round(max((p for label, _, p in inside if label in which), default=base)
+                     / 1e3 - base / 1e3, 6)
+    at = [a for label, a, _ in inside if label == "attention-start"]
+    return dict(base_gb=round(base / 1e3, 6), recompute_gb=peak("recompute"),
+                attention_gb=peak("attention"), other_gb=peak("attention-start", "end"),
+                attention_start_gb=round((at[0] - base) / 1e3, 6) if at else None)
 
 
 def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: int,
@@ -167,6 +302,39 @@ def preference_row(P: int, R: int, vocab: int, seed: int = 0) -> PreferenceExamp
 
 def main() -> None:
     rows = []
+    if "--phases" in sys.argv:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, ((arch, layers, hidden, vocab, dtype, *config), cases) in enumerate(LONG_MODELS):
+                folder = write_bench_model(Path(tmp) / f"{i}-{arch}", arch, layers, hidden, vocab,
+                                           dtype, *config)
+                info = model_info(str(folder))
+                model, _ = load_model(folder)
+                apply_lora(model, rank=RANK, scale=20.0, dropout=0.0)
+                mx.eval(model.parameters())
+                parts = model_parts(model, check=False)
+                for seq, seg, ab, chunk, off in cases:
+                    if off:
+                        continue
+                    row = dict(part="phases", arch=arch, layers=layers, hidden=hidden,
+                               vocab=vocab, dtype=dtype, seq=seq, segment_size=seg,
+                               attn_block=ab, mlp_chunk=chunk,
+                               **phase_row(model, parts, random_row(seq, vocab), seg, ab, chunk),
+                               info=info.to_dict())
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del model, parts
+                gc.collect()
+                mx.clear_cache()
+        print(f"{len(rows)} configurations taken apart", file=sys.stderr)
+        return
+    if "--block" in sys.argv:
+        for shape in BLOCK_SHAPES:
+            rows.append(block_row(*shape))
+            print(json.dumps(rows[-1]), flush=True)
+        ratios = [r["ratio"] for r in rows]
+        print(f"{len(rows)} block rows: ratio min {min(ratios):.3f} max {max(ratios):.3f}",
+              file=sys.stderr)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         fitted = (ORPO_MODELS if "--orpo" in sys.argv else LONG_MODELS if "--long" in sys.argv
                   else MODELS + ORPO_MODELS)

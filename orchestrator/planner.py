@@ -54,7 +54,7 @@ BACKWARD_SCORES = 3.25   # ... that its backward adds: d(probs), d(scores), thei
 FORWARD_SCORES = 1.8     # ... that its unfused forward holds at once: scores, probs
 MASK_BYTES = 2.0         # bytes per [L, L] entry of the causal mask unfused attention builds
 HEAD_COPIES = 3.8        # fp32 [tokens, vocab] matrices the head holds: logits, exp, cotangent
-PLAIN_HEAD_EXTRA = 3.4   # more fp32 [L, vocab] copies in plain mode: the model's own forward's
+PLAIN_HEAD_EXTRA = 3.5   # more fp32 [L, vocab] copies in plain mode: the model's own forward's
                          # logits, the read rows gathered from them, and their unchunked
                          # cross-entropy and its backward
 HALF_BYTES = 2.75        # bytes an activation entry costs in a bf16/fp16 model (see _peak_bytes)
@@ -63,17 +63,23 @@ HELD_STATES = 3          # [L, hidden] arrays a segmented step holds beside its 
 STORED_OPS = 2           # [L, hidden]-sized values a layer's backward in pieces keeps besides
                          # its attention inputs: the MLP's input and output
 
+# One query block of the blocked attention backward, in arrays of the model's dtype
+# (measured alone, every row under its prediction: bench/planner_fit.py --block):
+BLOCK_SCORES = 3.0       # [heads, attn_block, keys]: probabilities, their gradient, the scores'
+BLOCK_MASK = 1.0         # [attn_block, keys] causal masks, each a boolean and its additive form
+BLOCK_KEYS = 2.0         # fp32 [heads, keys, head_dim] (in any dtype): K and V spread over the
+                         # query heads, or their gradients before they are summed per K/V head
+BLOCK_QUERIES = 3.6      # [heads, attn_block, head_dim]: the block's q, dO, dq and their copies
+
 # Rows longer than an attention block (fitted with bench/planner_fit.py --long):
-BLOCK_SCORES = 3.55      # [heads, attn_block, keys] matrices one query block's backward holds
-HALF_SCORE_BYTES = 2.15  # ... bytes per entry of those in a bf16/fp16 model
-BLOCK_KEYS = 1.0         # fp32 [keys, head_dim] arrays per query head beside them (K, V gathered
-                         # and spread over the query heads, their gradients)
-STORED_Q = 4.15          # [L, heads x head_dim] arrays a layer's backward in pieces keeps whole:
-                         # q, o, dO, dq, and a join
-ROW_WIDTH = 0.75         # a chunk's per-token activations (_layer_width) that a layer run rows
-                         # apart holds in its backward
-PASS_WIDTH = 0.65        # ... that one vjp pass of a layer's backward in passes holds, whole-row,
-PASS_MLP = 4.6           # ... and of its MLP's share: the MLP's values and gradients at once
+HALF_SCORE_BYTES = 2.15  # bytes per entry of a forward block's scores in a bf16/fp16 model
+STORED_Q = 4.8           # [L, heads x head_dim] arrays alive through attention's backward in
+                         # pieces: q, o, dO, dq, their joins and the allocator's rounding
+ROW_WIDTH = 5.1          # a chunk's per-token activations (_layer_width) that a chunk's vjp
+                         # holds in a layer's backward rows apart
+PASS_WIDTH = 1.6         # ... that one vjp pass of a layer's backward in passes holds, whole-row,
+PASS_MLP = 3.9           # ... and of its MLP's share: the MLP's values and gradients at once
+PASS_HALF_BYTES = 3.4    # bytes per entry of a pass in a bf16/fp16 model
 
 TIME_TIE = 0.10          # measured step times this close count as equal (auto takes the larger size)
 DISK_GBPS = 2.0          # boundaries written and read back per second with memory.offload disk:
@@ -339,7 +345,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # of attn_block query rows (the step's masks cut it so, engine/step.py), so the
     # scores alive at once are one block's, and no [L, L] mask is built.
     blocked = 0 < attn_block < L - 1
-    sa = a if a >= F32 else HALF_SCORE_BYTES   # a block's scores, in half precision
+    sa = a if a >= F32 else HALF_SCORE_BYTES   # a forward block's scores, in half precision
     block_scores = info.heads * attn_block * L * sa if blocked else scores
     # A decoder layer's per-token activations (projections, norms, MLP).
     width = L * _layer_width(info) * a
@@ -372,10 +378,6 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # entries per head.
     qo = L * info.heads * info.head_dim * info.act_bytes
     kv = L * info.kv_heads * info.head_dim
-    # What a layer's backward in pieces keeps whole through it, rows apart or in
-    # passes: its input and input gradient, q, o, dO, dq and a join, K and V with
-    # their fp32 gradient sums.
-    stored = 2 * state + STORED_Q * qo + 2 * kv * (info.act_bytes + F32)
     head = min(head_chunk, L) * info.vocab * head_entry
     pieces = 0 < attn_block < L - 1 or 0 < mlp_chunk < L
     if 0 < mlp_chunk < L:
@@ -385,58 +387,70 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         mlp = 4 * info.intermediate * a
         width = width - L * mlp + mlp_chunk * mlp + STORED_OPS * hidden_state
         layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * block_scores
+    if pieces:
+        # A layer's backward in pieces (engine/rows.py, engine/layer.py) runs in
+        # phases, measured one by one (bench/planner_fit.py --long): attention's
+        # backward, blocked (block_backward) or whole, with q, o, dO, dq and their
+        # joins (STORED_Q) and K, V with their fp32 gradient sums alive beside it;
+        # and before and after it, the vjps of the layer's other work. Never both
+        # at once: the larger phase counts, on top of the segment's layer inputs.
+        block = block_backward(info, L, attn_block) if blocked else \
+            (SAVED_SCORES + BACKWARD_SCORES) * scores
+        attention = STORED_Q * qo + kv_grad_sums(info, L) + block
     if pieces and rows and info.model_type in ROWWISE_FAMILIES and 0 < mlp_chunk < L:
         # engine/rows.py: every row-wise op of the layer (norms, projections and
         # their LoRA, RoPE, residuals, the MLP) runs mlp_chunk rows at a time; only
         # q, k, v, the attention output, their gradients (dk, dv summed in fp32),
         # the layer's input and its input gradient are whole-row.
         chunk_width = mlp_chunk * _layer_width(info) * a
-        # Attention in attn_block-row blocks, forward (the step's masks cut it so)
-        # and backward; a row no longer than a block, whole.
-        block = _block_backward(info, L, attn_block, sa) if blocked else \
-            (SAVED_SCORES + BACKWARD_SCORES) * scores
         # The chunks' outputs and input gradients are joined at the end: two
         # [L, hidden] copies for a moment, in the forward and the backward; so
         # are dO's chunks and dq's blocks (q, o, dO, dq and one join: 5 x [L, q]).
         layer_forward = (2 * (qo + 2 * kv * info.act_bytes) + qo + 2 * state
                          + TRANSIENT_WIDTH * chunk_width + FORWARD_SCORES * block_scores)
-        segment = s * state + stored + ROW_WIDTH * chunk_width + block
+        # A chunk's vjp, counted at the model's dtype (fitted so: its half-precision
+        # premium is in ROW_WIDTH).
+        chunk_vjp = ROW_WIDTH * mlp_chunk * _layer_width(info) * info.act_bytes
+        segment = s * state + max(attention, chunk_vjp)
     elif pieces:
-        # A layer's backward in passes (engine/layer.py), the segment's layer inputs
-        # kept. Through every pass the layer's input, attention's stored q, k, v and
-        # output, dO and the fp32 dq, dk, dv are alive (as rows apart, above). On top
-        # of them either a pass's vjp of the layer's own work (its MLP whole unless
-        # chunked) or, blocked, one query block's backward: the passes are evaluated
-        # before the blocks run, so the larger of the two counts, not their sum.
-        # Attention not blocked is inside the passes' vjp itself.
-        # The MLP's share (its four [rows, intermediate] activations) is held twice
-        # over by a pass, its gradients beside its values; the rest less.
-        mlp_part = (mlp_chunk if 0 < mlp_chunk < L else L) * 4 * info.intermediate * a
-        passes = PASS_WIDTH * (width - mlp_part) + PASS_MLP * mlp_part
+        # A layer's backward in passes (engine/layer.py): each pass a vjp of the
+        # layer's own work with its attention (blocked) standing in, the MLP whole
+        # unless chunked. The MLP's share (its four [rows, intermediate]
+        # activations) is held more than twice over, its gradients beside its
+        # values; the rest less. In half precision a pass costs nearly what it does
+        # in fp32 (PASS_HALF_BYTES): the CPU's matmuls go through fp32 copies.
+        pa = a if a >= F32 else PASS_HALF_BYTES
+        mlp_part = (mlp_chunk if 0 < mlp_chunk < L else L) * 4 * info.intermediate * pa
+        passes = PASS_WIDTH * (width * pa / a - mlp_part) + PASS_MLP * mlp_part
         if blocked:
-            segment = (s * state + stored
-                       + max(passes, _block_backward(info, L, attn_block, sa)))
-        else:
-            segment = (s * state + stored + passes
-                       + (SAVED_SCORES + BACKWARD_SCORES) * scores)
+            segment = s * state + max(attention, passes)
+        else:   # attention whole is inside the passes' vjp
+            segment = s * state + attention + passes
     else:
         # The segment's s layers under one vjp, then the backward of each.
         segment = s * layer_saved + layer_backward
     return resident + boundaries + max(layer_forward, head, segment)
 
 
-def _block_backward(info: ModelInfo, L: int, attn_block: int, a: float) -> float:
-    """Bytes one query block of the blocked attention backward adds (engine/attention.py):
-    its [heads, attn_block, keys] scores and their gradients, and per key and query
-    head what MLX's backward holds beside them (the block's K, V gathered and spread
-    over the query heads, their gradients before they join the fp32 sums). Past
-    ATTN_TILED_ABOVE tokens the keys go a tile at a time, with the tile's dK, dV
-    in fp32 beside the row's sums."""
+def kv_grad_sums(info: ModelInfo, L: int) -> float:
+    """Bytes of attention's K and V gradients summed in fp32 over the query blocks,
+    with their cast back to the model's dtype at the end."""
+    return 2 * L * info.kv_heads * info.head_dim * (F32 + info.act_bytes)
+
+
+def block_backward(info: ModelInfo, L: int, attn_block: int) -> float:
+    """Bytes one query block of the blocked attention backward adds beside its inputs
+    and the fp32 dK, dV sums (engine/attention.py): its scores and their gradients,
+    the causal mask, the block's K and V spread over the query heads with their
+    gradients, and its q, dO and dq. The last block, over every key, is the
+    largest. Past ATTN_TILED_ABOVE tokens the keys go a tile at a time, with the
+    tile's dK, dV in fp32 beside the row's sums."""
     tiled = L > ATTN_TILED_ABOVE
     keys = ATTN_KEY_TILE if tiled else L
-    return (BLOCK_SCORES * info.heads * attn_block * keys * a
-            + BLOCK_KEYS * info.heads * keys * info.head_dim * F32
-            + (2 * L * info.kv_heads * info.head_dim * F32 if tiled else 0))
+    b, h, hd = info.act_bytes, info.heads, info.head_dim
+    return (BLOCK_SCORES * h * attn_block * keys * b + BLOCK_MASK * attn_block * keys * (1 + b)
+            + BLOCK_KEYS * h * keys * hd * F32 + BLOCK_QUERIES * h * attn_block * hd * b
+            + (2 * L * info.kv_heads * hd * F32 if tiled else 0))
 
 
 # ---------------------------------------------------------------- the decision

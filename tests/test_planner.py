@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from bench.planner_fit import measure_peak_gb, random_row
+from bench.planner_fit import block_alone_gb, measure_peak_gb, random_row
 from segctl.orchestrator.planner import ModelInfo, longest_row, model_info, plan, predict_gb
 from segctl.schemas.job import JobSpec, load_job
 from tests.conftest import free_earlier_arrays
@@ -259,7 +259,30 @@ def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_siz
     assert measured <= predicted <= 2 * measured, (measured, predicted)
 
 
-@pytest.mark.parametrize("name", ["planner-cpu", "planner-orpo-cpu", "planner-long-cpu"])
+@pytest.mark.parametrize("mlp_chunk", [0, 64])
+def test_a_layer_backward_in_pieces_is_taken_apart_into_its_phases(tiny_models, mlp_chunk):
+    """bench.planner_fit --phases on a real step: each phase of the top layer's
+    backward is seen (in passes, or rows apart), attention's holds what was alive
+    when it began, and the engine's functions are its own again afterwards."""
+    from bench.planner_fit import phase_row
+    from segctl.engine import attention, rows, step
+    from segctl.engine.model import apply_lora, load_model, model_parts
+    free_earlier_arrays()
+    before = (attention.blocked_grads, attention.eager_blocks, rows.vjp, step.layer_vjp)
+    info = model_info(str(tiny_models["qwen3"]))
+    model, _ = load_model(tiny_models["qwen3"])
+    apply_lora(model, rank=8, scale=20.0, dropout=0.0)
+    got = phase_row(model, model_parts(model, check=False), random_row(512, info.vocab),
+                    seg=1, ab=128, chunk=mlp_chunk)
+    assert got["base_gb"] > 0 and got["recompute_gb"] > 0 and got["other_gb"] > 0
+    assert got["attention_gb"] > got["attention_start_gb"] > 0
+    # the block's own scores: at least one [heads, block, keys] array of them
+    assert got["attention_gb"] - got["attention_start_gb"] > info.heads * 128 * 512 * 4 / 1e9
+    assert (attention.blocked_grads, attention.eager_blocks, rows.vjp, step.layer_vjp) == before
+
+
+@pytest.mark.parametrize("name", ["planner-cpu", "planner-orpo-cpu", "planner-long-cpu",
+                                  "planner-block-cpu"])
 def test_committed_measurements_stay_under_their_prediction(name):
     """The peaks bench/planner_fit.py measured and committed (bench/results/) stay at
     or under what this planner predicts for them: a change to the estimate that
@@ -270,6 +293,11 @@ def test_committed_measurements_stay_under_their_prediction(name):
             (Path(__file__).parent.parent / "bench" / "results" / f"{name}.jsonl").open()]
     assert rows
     for r in rows:
+        if r.get("part") == "block":   # the blocked attention backward alone
+            got = block_alone_gb(r)
+            assert got == pytest.approx(r["predicted_gb"], abs=1e-6), r
+            assert got >= r["measured_gb"], r
+            continue
         extra = {k: r[k] for k in ("mlp_chunk",) if k in r}
         got = predict_gb(ModelInfo(**r["info"]), seq_len=r["seq"], segment_size=r["segment_size"],
                          lora_rank=8, attn_block=r["attn_block"],
@@ -277,6 +305,8 @@ def test_committed_measurements_stay_under_their_prediction(name):
                          offload=r.get("offload", False), **extra)
         assert got == pytest.approx(r["predicted_gb"], abs=1e-5), r
         assert got >= r["measured_gb"], r
+        if r.get("held_out"):   # shapes none of the constants was fitted to
+            assert got <= 1.10 * r["measured_gb"], r
 
 
 # ---------------------------------------------------------------- long rows
