@@ -254,6 +254,18 @@ def phase_row(model, parts, example, seg: int, ab: int, chunk: int) -> dict:
                 attention_start_gb=round((at[0] - base) / 1e3, 6) if at else None)
 
 
+def lora_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: int,
+                     dtype: str = "float32", config: dict | None = None):
+    """(model with LoRA as engine/train.py puts it, its ModelInfo), written to
+    `folder` by write_bench_model. Peak memory counts everything alive: the
+    caller drops the model (and clears MLX's cache) before the next."""
+    folder = write_bench_model(folder, arch, layers, hidden, vocab, dtype, config)
+    model, _ = load_model(folder)
+    apply_lora(model, rank=RANK, scale=20.0, dropout=0.0)
+    mx.eval(model.parameters())
+    return model, model_info(str(folder))
+
+
 def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: int,
                       dtype: str = "float32", config: dict | None = None) -> Path:
     """A random `arch` model of this shape in Hugging Face layout (weights in `dtype`;
@@ -305,12 +317,8 @@ def main() -> None:
     if "--phases" in sys.argv:
         with tempfile.TemporaryDirectory() as tmp:
             for i, ((arch, layers, hidden, vocab, dtype, *config), cases) in enumerate(LONG_MODELS):
-                folder = write_bench_model(Path(tmp) / f"{i}-{arch}", arch, layers, hidden, vocab,
-                                           dtype, *config)
-                info = model_info(str(folder))
-                model, _ = load_model(folder)
-                apply_lora(model, rank=RANK, scale=20.0, dropout=0.0)
-                mx.eval(model.parameters())
+                model, info = lora_bench_model(Path(tmp) / f"{i}-{arch}", arch, layers, hidden,
+                                               vocab, dtype, *config)
                 parts = model_parts(model, check=False)
                 for seq, seg, ab, chunk, off in cases:
                     if off:
@@ -343,12 +351,8 @@ def main() -> None:
         for i, (((arch, layers, hidden, vocab, dtype, *config), cases), held_out) in enumerate(
                 models):
             # numbered: the default run meets a shape twice (its SFT and ORPO cases)
-            folder = write_bench_model(Path(tmp) / f"{i}-{arch}-{layers}-{hidden}-{dtype}",
-                                       arch, layers, hidden, vocab, dtype, *config)
-            info = model_info(str(folder))
-            model, _ = load_model(folder)
-            apply_lora(model, rank=RANK, scale=20.0, dropout=0.0)
-            mx.eval(model.parameters())
+            model, info = lora_bench_model(Path(tmp) / f"{i}-{arch}-{layers}-{hidden}-{dtype}",
+                                           arch, layers, hidden, vocab, dtype, *config)
             for case in cases:
                 if isinstance(case[3], str):
                     rows.append(orpo_row(model, info, arch, layers, hidden, vocab, dtype, *case))

@@ -7,8 +7,8 @@ for the whole step, the segment boundaries, and on top of them the largest of th
 transients (a layer's forward, one loss-head chunk, one segment's backward). The
 multipliers are fitted to the engine's own measured peaks on a 2-core x86-64 CPU
 (`python -m bench.planner_fit [--long]`, rows in bench/results/planner-*.jsonl) so
-that every measured row sits at or under its prediction: 1.007-1.26 on short rows,
-1.005-1.20 on rows longer than an attention block, 1.01-1.15 on held-out shapes.
+that every measured row sits at or under its prediction: 1.006-1.26 on short rows,
+1.010-1.092 on rows longer than an attention block, 1.018-1.096 on held-out shapes.
 
 MLX's attention is unfused whenever gradients are traced (CPU always; Metal too:
 "it's faster for training on Metal to use the unfused SDPA"), so a layer's
@@ -389,7 +389,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * block_scores
     if pieces:
         # A layer's backward in pieces (engine/rows.py, engine/layer.py) runs in
-        # phases, measured one by one (bench/planner_fit.py --long): attention's
+        # phases, measured one by one (bench/planner_fit.py --phases): attention's
         # backward, blocked (block_backward) or whole, with q, o, dO, dq and their
         # joins (STORED_Q) and K, V with their fp32 gradient sums alive beside it;
         # and before and after it, the vjps of the layer's other work. Never both
