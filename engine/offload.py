@@ -11,9 +11,11 @@ boundary the backward is working on takes memory.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
@@ -55,8 +57,11 @@ class Boundaries:
     A failed write (a full disk) is raised by the next call that waits for it:
     append, pop, flush or read."""
 
-    def __init__(self, folder: str | os.PathLike | None = None):
+    def __init__(self, folder: str | os.PathLike | None = None, pages: _Pages | None = None):
         self.folder = None if folder is None else os.fspath(folder)
+        # On a discrete GPU, how the I/O thread moves a boundary's pages in bulk
+        # (None: the CPU and Metal, where host and device memory are one)
+        self._pages = pages if pages is not None or folder is None else _pages()
         self._arrays: list[mx.array] = []  # memory mode
         self._entries: list[tuple[int, tuple[int, ...], mx.Dtype]] = []  # disk mode: offset, shape, dtype
         self._end = 0  # file size: where the next entry goes
@@ -128,6 +133,8 @@ class Boundaries:
             self._io.submit(lambda: None).result()
 
     def _write(self, offset: int, data: np.ndarray, h: mx.array) -> None:
+        if self._pages is not None:
+            self._pages.to_host(data)
         view = memoryview(data).cast("B")
         n = view.nbytes
         fd = self._file.fileno()
@@ -184,8 +191,9 @@ class Boundaries:
         _, shape, dtype = entry = self._entries[i]
         return _to_mx(self._io.submit(self._load, entry).result(), shape, dtype)
 
-    def _load(self, entry) -> np.ndarray:
-        """An entry's bytes, read into host memory (on the I/O thread)."""
+    def _load(self, entry) -> np.ndarray | mx.array:
+        """An entry's bytes, read into host memory (on the I/O thread); on a
+        discrete GPU, already the MLX array, its pages on the device."""
         offset, shape, dtype = entry
         _, np_u = _UNSIGNED[dtype.size]
         u = np.empty(int(np.prod(shape)), dtype=np_u)
@@ -199,7 +207,16 @@ class Boundaries:
                 raise OSError(errno.EIO, f"{self.folder}: boundary file ended early")
             done += got
         del view
-        return u
+        if self._pages is None or u.size == 0:
+            return u
+        # Made here, off the step's thread: MLX copies the bytes into its unified
+        # memory, and the driver moves those pages to the device in one transfer
+        # (left alone, the backward's first kernel would fault them over a page at
+        # a time while the device waits).
+        h = mx.array(u)
+        del u
+        self._pages.to_device(np.array(h, copy=False))
+        return h
 
     def _check_open(self):
         if self._closed:
@@ -235,10 +252,91 @@ class Boundaries:
         self.close()
 
 
-def _to_mx(u: np.ndarray, shape, dtype) -> mx.array:
+def _to_mx(u: np.ndarray | mx.array, shape, dtype) -> mx.array:
     """Bytes read from the file as the MLX array they were (a copy into MLX memory)."""
     if u.size == 0:
         return mx.zeros(shape, dtype)
-    h = mx.array(u).view(dtype).reshape(shape)
+    h = (u if isinstance(u, mx.array) else mx.array(u)).view(dtype).reshape(shape)
     mx.eval(h)
     return h
+
+
+# ---------------------------------------------------------------- a discrete GPU's pages
+
+class _Pages:
+    """Bulk moves of MLX's unified memory between host and device on CUDA.
+
+    There MLX keeps what the CPU reads in CUDA managed memory, whose pages move on
+    demand, a fault at a time: reading a boundary that the device wrote faults
+    every page to the host, and the backward's first kernel on a boundary read from
+    disk faults every page back while the device stalls. The driver's prefetch
+    moves the same pages in one DMA transfer instead, on a stream of its own,
+    beside the compute. It changes where bytes live, never what they are."""
+
+    HOST, DEVICE = 2, 1   # CUmemLocationType
+
+    class _Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    def __init__(self, lib: ctypes.CDLL, device: int = 0):
+        self._lib, self._device = lib, device
+        self._local = threading.local()
+        self._check(lib.cuInit(0), "cuInit")
+        ctx = ctypes.c_void_p()
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device),
+                    "cuDevicePrimaryCtxRetain")
+        self._ctx = ctx
+        # CUDA 12.2+ takes a location; older drivers a device (-1: the host)
+        self._v2 = hasattr(lib, "cuMemPrefetchAsync_v2")
+
+    def to_host(self, a: np.ndarray) -> None:
+        self._move(a, self.HOST)
+
+    def to_device(self, a: np.ndarray) -> None:
+        self._move(a, self.DEVICE)
+
+    def _move(self, a: np.ndarray, where: int) -> None:
+        if a.nbytes == 0:
+            return
+        stream = self._stream()
+        ptr, n = ctypes.c_uint64(a.ctypes.data), ctypes.c_size_t(a.nbytes)
+        if self._v2:
+            loc = self._Location(where, self._device if where == self.DEVICE else 0)
+            err = self._lib.cuMemPrefetchAsync_v2(ptr, n, loc, ctypes.c_uint(0), stream)
+        else:
+            dst = self._device if where == self.DEVICE else -1
+            err = self._lib.cuMemPrefetchAsync(ptr, n, ctypes.c_int(dst), stream)
+        self._check(err, "cuMemPrefetchAsync")
+        self._check(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def _stream(self) -> ctypes.c_void_p:
+        """This thread's stream, the primary context made current on it first."""
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            self._check(self._lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            stream = ctypes.c_void_p()
+            self._check(self._lib.cuStreamCreate(ctypes.byref(stream), 1),   # non-blocking
+                        "cuStreamCreate")
+            self._local.stream = stream
+        return stream
+
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err:
+            raise OSError(f"CUDA driver: {what} failed (error {err})")
+
+
+_PAGES: list = []   # the process's one _Pages, or None where there is no discrete GPU
+
+
+def _pages() -> _Pages | None:
+    """The bulk mover where MLX computes on CUDA with managed memory; else None."""
+    if not _PAGES:
+        pages = None
+        if mx.default_device() == mx.gpu and mx.cuda.is_available():
+            try:
+                pages = _Pages(ctypes.CDLL("libcuda.so.1"))
+            except OSError:
+                pages = None   # no driver library: pages move by faults, as before
+        _PAGES.append(pages)
+    return _PAGES[0]

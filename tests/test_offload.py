@@ -10,6 +10,9 @@ import textwrap
 import mlx.core as mx
 import pytest
 
+import threading
+
+from segctl.engine import offload
 from segctl.engine.offload import Boundaries, OffloadError, check_folder
 from tests.conftest import ROOT, cli_env
 
@@ -159,6 +162,37 @@ def test_reads_ahead_and_writes_beside_the_caller(tmp_path):
         same_bits(b.pop(), arrays[0])
         b.settle()
         assert len(b) == 0 and os.fstat(b._file.fileno()).st_size == b.bytes_on_disk == 0
+
+
+class RecordedPages(offload._Pages):
+    """The bulk mover's calls, recorded: no driver here (the moves themselves are
+    CUDA's, measured by bench.offload on a GPU)."""
+
+    def __init__(self):
+        self.moves = []
+
+    def _move(self, a, where):
+        self.moves.append(("host" if where == self.HOST else "device", a.nbytes,
+                           threading.current_thread().name))
+
+
+def test_a_discrete_gpus_pages_move_on_the_io_thread_and_change_no_bit(tmp_path):
+    arrays = stack_of_entries()
+    pages = RecordedPages()
+    with Boundaries(tmp_path / "scratch", pages=pages) as b:
+        for h in arrays:
+            b.append(h)
+        b.settle()
+        # each boundary's pages to the host once, before its write, off the caller
+        assert [m[:2] for m in pages.moves] == [("host", h.nbytes) for h in arrays]
+        pages.moves.clear()
+        for h in reversed(arrays):
+            same_bits(b.pop(), h)
+        b.settle()
+    # and each read back to the device, where the MLX array is made
+    assert sorted(m[1] for m in pages.moves) == sorted(h.nbytes for h in arrays)
+    assert {m[0] for m in pages.moves} == {"device"}
+    assert all(m[2].startswith("boundaries-io") for m in pages.moves)
 
 
 def test_check_folder(tmp_path):

@@ -1,0 +1,104 @@
+"""What memory.offload disk costs a step, side by side in one process: one model,
+one row, steps alternating boundaries in memory / on disk with a discrete GPU's
+pages moved by faults / on disk with them prefetched (engine/offload.py). One
+JSON row per step.
+
+    python -m bench.offload --seq 32768                    # the 8B 4-bit shape (GPU)
+    python -m bench.offload --seq 2048 --layers 4 --dim 256 \\
+        --vocab 1024 --dtype float32 --no-quantize          # a CPU-sized check
+
+"faults" is the disk path as it ran before prefetching: on CUDA, MLX's managed
+memory then moves each boundary between device and host a page fault at a time.
+"prefetch" is the default. On unified memory (a Mac, the CPU) there is nothing to
+move and the two are the same path. Every step computes the same thing (steps
+do not update the model): `max_rel` is the largest relative difference of its
+gradients' squared norms and its loss from the first step's (0 on the CPU; on
+CUDA the backward's reductions do not repeat bit for bit, ~1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import segctl  # noqa: F401 (first: it sizes MLX's CUDA attention caches before MLX loads)
+import mlx.core as mx
+
+from segctl.engine import offload as offload_mod
+from segctl.engine.data import Example
+from segctl.engine.model import model_parts
+from segctl.engine.step import loss_and_grads
+from bench.engine import bench_model, _device_name
+
+VARIANTS = ("memory", "faults", "prefetch")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantize", type=int, default=4)
+    p.add_argument("--no-quantize", dest="quantize", action="store_const", const=0)
+    p.add_argument("--rounds", type=int, default=2, help="times each variant runs, interleaved")
+    p.add_argument("--dir", default=None, help="the scratch folder (default: a temporary one)")
+    args = p.parse_args(argv)
+    big = args.dim == 4096   # the Llama-3.1-8B shape; otherwise the generic one
+    model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype,
+                        intermediate=args.intermediate or (14336 if big else None),
+                        heads=32 if big else None, kv_heads=8 if big else None,
+                        head_dim=128 if big else None, tie=False if big else None,
+                        quantize=args.quantize)
+    parts = model_parts(model, check=False)
+    mx.random.seed(123)
+    ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
+    example = Example(ids, args.seq // 2)
+    scratch = args.dir or tempfile.mkdtemp(prefix="segctl-bench-offload-")
+    pages = offload_mod._pages()
+    first = None
+    # a first step (kernel builds), then the variants in turn, `rounds` times
+    for n, variant in enumerate(["prefetch"] + list(VARIANTS) * args.rounds):
+        offload_mod._PAGES[:] = [None if variant == "faults" else pages]
+        clock = []
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        loss, grads = loss_and_grads(
+            model, example, segment_size=1, head_chunk=512, attn_block=1024, mlp_chunk=4096,
+            offload=None if variant == "memory" else scratch, parts=parts,
+            on_phase=lambda label: clock.append((label, time.perf_counter())))
+        mx.eval(loss, grads)
+        step_s = time.perf_counter() - t0
+        peak = mx.get_peak_memory() / 1e9
+        sums = {k: mx.sum(v.astype(mx.float32) ** 2).item() for k, v in grads.items()}
+        sums["loss"] = loss.item()
+        if first is None:
+            first = sums
+        max_rel = max(abs(v - first[k]) / max(abs(first[k]), 1e-30) for k, v in sums.items())
+        labels = [label for label, _ in clock]
+        h = labels.index("head")
+        print(json.dumps({
+            "bench": "offload", "step": n, "variant": "first step (builds)" if n == 0 else variant,
+            "seq": args.seq, "arch": args.arch, "layers": args.layers, "dim": args.dim,
+            "dtype": args.dtype, "quantize": args.quantize, "prefetch_here": pages is not None,
+            "step_s": round(step_s, 3), "fwd_s": round(clock[h - 1][1] - t0, 3),
+            "head_s": round(clock[h][1] - clock[h - 1][1], 3),
+            "bwd_s": round(clock[-1][1] - clock[h][1], 3), "peak_gb": round(peak, 4),
+            "loss": loss.item(), "max_rel": float(f"{max_rel:.3g}"),
+            "device": str(mx.default_device()), "device_name": _device_name(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+    offload_mod._PAGES[:] = [pages]
+    if not args.dir:
+        os.rmdir(scratch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
