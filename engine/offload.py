@@ -16,6 +16,7 @@ import errno
 import os
 import tempfile
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
@@ -271,7 +272,9 @@ class _Pages:
     every page to the host, and the backward's first kernel on a boundary read from
     disk faults every page back while the device stalls. The driver's prefetch
     moves the same pages in one DMA transfer instead, on a stream of its own,
-    beside the compute. It changes where bytes live, never what they are."""
+    beside the compute. It changes where bytes live, never what they are: so a
+    move the driver refuses (memory that is not managed, say) turns the moves off
+    for the process, with one warning, and the pages move by faults as before."""
 
     HOST, DEVICE = 2, 1   # CUmemLocationType
 
@@ -288,6 +291,13 @@ class _Pages:
         self._ctx = ctx
         # CUDA 12.2+ takes a location; older drivers a device (-1: the host)
         self._v2 = hasattr(lib, "cuMemPrefetchAsync_v2")
+        if self._v2:
+            lib.cuMemPrefetchAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_size_t,
+                                                  self._Location, ctypes.c_uint, ctypes.c_void_p]
+        else:
+            lib.cuMemPrefetchAsync.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int,
+                                               ctypes.c_void_p]
+        self.off: str | None = None   # why the moves stopped, once one failed
 
     def to_host(self, a: np.ndarray) -> None:
         self._move(a, self.HOST)
@@ -296,18 +306,23 @@ class _Pages:
         self._move(a, self.DEVICE)
 
     def _move(self, a: np.ndarray, where: int) -> None:
-        if a.nbytes == 0:
+        if a.nbytes == 0 or self.off:
             return
-        stream = self._stream()
-        ptr, n = ctypes.c_uint64(a.ctypes.data), ctypes.c_size_t(a.nbytes)
-        if self._v2:
-            loc = self._Location(where, self._device if where == self.DEVICE else 0)
-            err = self._lib.cuMemPrefetchAsync_v2(ptr, n, loc, ctypes.c_uint(0), stream)
-        else:
-            dst = self._device if where == self.DEVICE else -1
-            err = self._lib.cuMemPrefetchAsync(ptr, n, ctypes.c_int(dst), stream)
-        self._check(err, "cuMemPrefetchAsync")
-        self._check(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        try:
+            stream = self._stream()
+            ptr, n = a.ctypes.data, a.nbytes
+            if self._v2:
+                loc = self._Location(where, self._device if where == self.DEVICE else 0)
+                err = self._lib.cuMemPrefetchAsync_v2(ptr, n, loc, 0, stream)
+            else:
+                err = self._lib.cuMemPrefetchAsync(
+                    ptr, n, self._device if where == self.DEVICE else -1, stream)
+            self._check(err, "cuMemPrefetchAsync")
+            self._check(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        except OSError as e:
+            self.off = str(e)
+            warnings.warn(f"offload: boundary pages move by faults from here on ({e})",
+                          RuntimeWarning, stacklevel=2)
 
     def _stream(self) -> ctypes.c_void_p:
         """This thread's stream, the primary context made current on it first."""

@@ -195,6 +195,27 @@ def test_a_discrete_gpus_pages_move_on_the_io_thread_and_change_no_bit(tmp_path)
     assert all(m[2].startswith("boundaries-io") for m in pages.moves)
 
 
+def test_a_move_the_driver_refuses_turns_the_moves_off_not_the_step(tmp_path):
+    """Where the pages are is a hint: a refused move warns once, later boundaries
+    are not moved, and every entry still comes back bit-exact."""
+    class Refusing(offload._Pages):
+        def __init__(self):   # no driver here: the first call into it fails
+            self.off, self._device, self._v2 = None, 0, True
+
+        def _stream(self):
+            raise OSError("CUDA driver: cuCtxSetCurrent failed (error 201)")
+
+    pages = Refusing()
+    arrays = stack_of_entries()
+    with pytest.warns(RuntimeWarning, match="move by faults"):
+        with Boundaries(tmp_path / "scratch", pages=pages) as b:
+            for h in arrays:
+                b.append(h)
+            for h in reversed(arrays):
+                same_bits(b.pop(), h)
+    assert "error 201" in pages.off
+
+
 def test_check_folder(tmp_path):
     assert check_folder(tmp_path / "made") is None
     assert os.listdir(tmp_path / "made") == []
