@@ -34,7 +34,10 @@ from segctl.engine.model import model_parts
 from segctl.engine.step import loss_and_grads
 from bench.engine import bench_model, _device_name
 
-VARIANTS = ("memory", "faults", "prefetch")
+# variant: (pages moved in bulk, settled back to the device after a write, read-back copied
+# into MLX in pieces of this many bytes)
+VARIANTS = {"memory": None, "faults": (False, False, 0), "prefetch": (True, False, 0),
+            "settle": (True, True, 0), "pieces": (True, True, 16 << 20)}
 
 
 def main(argv=None) -> None:
@@ -50,6 +53,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-quantize", dest="quantize", action="store_const", const=0)
     p.add_argument("--rounds", type=int, default=2, help="times each variant runs, interleaved")
     p.add_argument("--dir", default=None, help="the scratch folder (default: a temporary one)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated, of: " + ", ".join(VARIANTS))
     args = p.parse_args(argv)
     big = args.dim == 4096   # the Llama-3.1-8B shape; otherwise the generic one
     model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype,
@@ -65,16 +70,22 @@ def main(argv=None) -> None:
     pages = offload_mod._pages()
     first = None
     # a first step (kernel builds), then the variants in turn, `rounds` times
-    for n, variant in enumerate(["prefetch"] + list(VARIANTS) * args.rounds):
-        offload_mod._PAGES[:] = [None if variant == "faults" else pages]
-        clock = []
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)} (of {', '.join(VARIANTS)})")
+    defaults = (offload_mod._SETTLE, offload_mod._PIECES)
+    for n, variant in enumerate(variants[-1:] + variants * args.rounds):
+        moved, offload_mod._SETTLE, offload_mod._PIECES = VARIANTS[variant] or (True,) + defaults
+        offload_mod._PAGES[:] = [pages if moved else None]
+        clock, metrics = [], {}
         mx.clear_cache()
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         loss, grads = loss_and_grads(
             model, example, segment_size=1, head_chunk=512, attn_block=1024, mlp_chunk=4096,
             offload=None if variant == "memory" else scratch, parts=parts,
-            on_phase=lambda label: clock.append((label, time.perf_counter())))
+            on_phase=lambda label: clock.append((label, time.perf_counter())), metrics=metrics)
         mx.eval(loss, grads)
         step_s = time.perf_counter() - t0
         peak = mx.get_peak_memory() / 1e9
@@ -86,16 +97,19 @@ def main(argv=None) -> None:
         labels = [label for label, _ in clock]
         h = labels.index("head")
         print(json.dumps({
-            "bench": "offload", "step": n, "variant": "first step (builds)" if n == 0 else variant,
+            "bench": "offload", "step": n, "variant": f"first step (builds, {variant})" if n == 0 else variant,
             "seq": args.seq, "arch": args.arch, "layers": args.layers, "dim": args.dim,
             "dtype": args.dtype, "quantize": args.quantize, "prefetch_here": pages is not None,
             "step_s": round(step_s, 3), "fwd_s": round(clock[h - 1][1] - t0, 3),
             "head_s": round(clock[h][1] - clock[h - 1][1], 3),
             "bwd_s": round(clock[-1][1] - clock[h][1], 3), "peak_gb": round(peak, 4),
+            "write_wait_s": round(metrics.get("offload_write_wait_s", 0.0), 3),
+            "read_wait_s": round(metrics.get("offload_read_wait_s", 0.0), 3),
             "loss": loss.item(), "max_rel": float(f"{max_rel:.3g}"),
             "device": str(mx.default_device()), "device_name": _device_name(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
     offload_mod._PAGES[:] = [pages]
+    offload_mod._SETTLE, offload_mod._PIECES = defaults
     if not args.dir:
         os.rmdir(scratch)
 

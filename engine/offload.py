@@ -16,6 +16,7 @@ import errno
 import os
 import tempfile
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -72,6 +73,9 @@ class Boundaries:
         self._io = None  # the one thread every file operation runs on, in order
         self._writing: Future | None = None  # the last append's write
         self._ahead: tuple[int, Future] | None = None  # (entry index, its read) read ahead
+        # seconds the caller waited for the disk: a write still in flight when the
+        # next boundary came, a read not back when the backward wanted it
+        self.waited = {"write": 0.0, "read": 0.0}
         if self.folder is None:
             return
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
@@ -107,11 +111,14 @@ class Boundaries:
         mx_u, _ = _UNSIGNED[h.dtype.size]
         # A numpy view of MLX's buffer (a copy only if h is not row-contiguous), made
         # here: the I/O thread touches only numpy memory and the file, never MLX.
-        data = np.ascontiguousarray(np.array(h.view(mx_u), copy=False))
+        view = np.array(h.view(mx_u), copy=False)
+        data = np.ascontiguousarray(view)
         offset = self._end
         self._end = offset + data.nbytes
         self._entries.append((offset, tuple(h.shape), h.dtype))
-        self._writing = self._io.submit(self._write, offset, data, h)
+        # pages to move only where data is MLX's own buffer, not a numpy copy
+        pages = self._pages if data is view else None
+        self._writing = self._io.submit(self._write, offset, data, h, pages)
 
     def flush(self) -> None:
         """Wait for the write in flight; a failed one is raised here and its entry
@@ -120,7 +127,7 @@ class Boundaries:
         writing, self._writing = self._writing, None
         if writing is not None:
             try:
-                writing.result()
+                self._wait(writing, "write")
             except OSError:
                 offset = self._entries.pop()[0]
                 self._end = offset
@@ -133,9 +140,16 @@ class Boundaries:
         if self._io is not None:
             self._io.submit(lambda: None).result()
 
-    def _write(self, offset: int, data: np.ndarray, h: mx.array) -> None:
-        if self._pages is not None:
-            self._pages.to_host(data)
+    def _wait(self, job: Future, kind: str):
+        t = time.perf_counter()
+        try:
+            return job.result()
+        finally:
+            self.waited[kind] += time.perf_counter() - t
+
+    def _write(self, offset: int, data: np.ndarray, h: mx.array, pages: _Pages | None) -> None:
+        if pages is not None:
+            pages.to_host(data)
         view = memoryview(data).cast("B")
         n = view.nbytes
         fd = self._file.fileno()
@@ -159,7 +173,13 @@ class Boundaries:
                 raise err from e
             raise
         finally:
-            del view, data, h
+            del view
+            if pages is not None and _SETTLE:
+                # Back to the device before MLX gets the buffer back: its cache
+                # hands it to the next kernel of that size, which would otherwise
+                # fault the pages over one at a time.
+                pages.to_device(data)
+            del data, h
 
     def pop(self) -> mx.array:
         """The last appended array, evaluated; in disk mode the file shrinks by it."""
@@ -171,8 +191,8 @@ class Boundaries:
         self.flush()
         top = len(self._entries) - 1
         ahead, self._ahead = self._ahead, None
-        u = (ahead[1] if ahead and ahead[0] == top else self._io.submit(
-            self._load, self._entries[top])).result()
+        u = self._wait(ahead[1] if ahead and ahead[0] == top else self._io.submit(
+            self._load, self._entries[top]), "read")
         offset, shape, dtype = self._entries.pop()
         self._end = offset
         if self._entries:  # the next pop's, read while this one is worked on
@@ -210,6 +230,16 @@ class Boundaries:
         del view
         if self._pages is None or u.size == 0:
             return u
+        if _PIECES:
+            # MLX copies numpy bytes in while holding the GIL; in pieces, the step's
+            # thread gets it back between them instead of stalling for the whole copy.
+            flat = u.reshape(-1).view(np.uint8)
+            pieces = []
+            for start in range(0, flat.size, _PIECES):
+                piece = mx.array(flat[start:start + _PIECES])
+                self._pages.to_device(np.array(piece, copy=False))
+                pieces.append(piece)
+            return pieces
         # Made here, off the step's thread: MLX copies the bytes into its unified
         # memory, and the driver moves those pages to the device in one transfer
         # (left alone, the backward's first kernel would fault them over a page at
@@ -253,8 +283,10 @@ class Boundaries:
         self.close()
 
 
-def _to_mx(u: np.ndarray | mx.array, shape, dtype) -> mx.array:
+def _to_mx(u: np.ndarray | mx.array | list, shape, dtype) -> mx.array:
     """Bytes read from the file as the MLX array they were (a copy into MLX memory)."""
+    if isinstance(u, list):
+        u = mx.concatenate(u).view(_UNSIGNED[dtype.size][0])
     if u.size == 0:
         return mx.zeros(shape, dtype)
     h = (u if isinstance(u, mx.array) else mx.array(u)).view(dtype).reshape(shape)
@@ -340,6 +372,9 @@ class _Pages:
         if err:
             raise OSError(f"CUDA driver: {what} failed (error {err})")
 
+
+_SETTLE = True          # experiment switches (bench.offload)
+_PIECES = 16 << 20
 
 _PAGES: list = []   # the process's one _Pages, or None where there is no discrete GPU
 

@@ -89,7 +89,8 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     folder where the boundaries wait between the forward and the backward
     instead of memory (engine/offload.py). `metrics`, when given, receives the step's preference
     figures (ORPO: margin, accuracy, log_odds, nll; DPO: margin, accuracy,
-    chosen_reward, rejected_reward).
+    chosen_reward, rejected_reward) and, with offload, the seconds the step waited
+    for the disk (offload_write_wait_s, offload_read_wait_s).
     """
     parts = parts or model_parts(model, check=False)
     plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
@@ -100,10 +101,13 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     if segment_size == 0:
         loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
     else:
+        waited = {"write": 0.0, "read": 0.0}
         loss, grads, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
-                                       mlp_chunk, offload, on_phase)
+                                       mlp_chunk, offload, on_phase, waited)
     if metrics is not None:
         metrics.update(plan.report(sums))
+        if segment_size and offload:
+            metrics.update({f"offload_{kind}_wait_s": s for kind, s in waited.items()})
     return loss, grads
 
 
@@ -508,7 +512,7 @@ class _Forward:
 
 
 def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chunk, offload,
-               on_phase):
+               on_phase, waited):
     phase = on_phase or (lambda label: None)
     layers = parts.layers
     segments = plan_segments(len(layers), segment_size)
@@ -549,6 +553,8 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chu
             with _positions(parts, stream):
                 _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                           _pieces(mlp_chunk, stream), base_seed, phase, tag)
+            for kind, seconds in fwd.boundaries.waited.items():
+                waited[kind] += seconds
             fwd.boundaries.close()
             forwards[k] = fwd = None  # its donor K/V go before the next branch's backward
     mx.random.seed(base_seed + len(layers))
