@@ -37,7 +37,7 @@ from bench.engine import bench_model, _device_name
 # variant: (pages moved in bulk, settled back to the device after a write, read-back copied
 # into MLX in pieces of this many bytes)
 VARIANTS = {"memory": None, "faults": (False, False, 0), "prefetch": (True, False, 0),
-            "settle": (True, True, 0), "pieces": (True, True, 16 << 20)}
+            "settle": (True, True, 0), "pieces": (True, True, 8 << 20)}
 
 
 def main(argv=None) -> None:

@@ -374,7 +374,7 @@ class _Pages:
 
 
 _SETTLE = True          # experiment switches (bench.offload)
-_PIECES = 16 << 20
+_PIECES = 8 << 20
 
 _PAGES: list = []   # the process's one _Pages, or None where there is no discrete GPU
 

@@ -176,7 +176,7 @@ class RecordedPages(offload._Pages):
                            threading.current_thread().name))
 
 
-@pytest.mark.parametrize("piece", [16 << 20, 64])
+@pytest.mark.parametrize("piece", [8 << 20, 64])
 def test_a_discrete_gpus_pages_move_on_the_io_thread_and_change_no_bit(tmp_path, monkeypatch,
                                                                        piece):
     monkeypatch.setattr(offload, "_PIECES", piece)
