@@ -76,6 +76,7 @@ class Boundaries:
         # seconds the caller waited for the disk: a write still in flight when the
         # next boundary came, a read not back when the backward wanted it
         self.waited = {"write": 0.0, "read": 0.0}
+        self._piece: np.ndarray | None = None  # the I/O thread's buffer for reads in pieces
         if self.folder is None:
             return
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
@@ -212,13 +213,40 @@ class Boundaries:
         _, shape, dtype = entry = self._entries[i]
         return _to_mx(self._io.submit(self._load, entry).result(), shape, dtype)
 
-    def _load(self, entry) -> np.ndarray | mx.array:
+    def _load(self, entry) -> np.ndarray | mx.array | list[mx.array]:
         """An entry's bytes, read into host memory (on the I/O thread); on a
-        discrete GPU, already the MLX array, its pages on the device."""
+        discrete GPU, already in MLX arrays with their pages on the device."""
         offset, shape, dtype = entry
         _, np_u = _UNSIGNED[dtype.size]
-        u = np.empty(int(np.prod(shape)), dtype=np_u)
-        view = memoryview(u).cast("B")
+        if self._pages is None or not _PIECES or 0 in shape:
+            u = np.empty(int(np.prod(shape)), dtype=np_u)
+            self._read_into(memoryview(u).cast("B"), offset)
+            if self._pages is None or u.size == 0:
+                return u
+            # Made here, off the step's thread: MLX copies the bytes into its
+            # unified memory, and the driver moves those pages to the device in one
+            # transfer (left alone, the backward's first kernel would fault them over
+            # a page at a time while the device waits).
+            h = mx.array(u)
+            del u
+            self._pages.to_device(np.array(h, copy=False))
+            return h
+        # MLX copies numpy bytes in while holding the GIL: in pieces, the step's
+        # thread gets it back between them instead of stalling for a whole boundary.
+        # Each piece goes through one small buffer whose pages stay warm.
+        if self._piece is None or self._piece.size != _PIECES:
+            self._piece = np.empty(_PIECES, np.uint8)
+        n = int(np.prod(shape)) * dtype.size
+        pieces = []
+        for start in range(0, n, _PIECES):
+            buf = self._piece[:min(_PIECES, n - start)]
+            self._read_into(memoryview(buf), offset + start)
+            piece = mx.array(buf)
+            self._pages.to_device(np.array(piece, copy=False))
+            pieces.append(piece)
+        return pieces
+
+    def _read_into(self, view: memoryview, offset: int) -> None:
         fd = self._file.fileno()
         os.lseek(fd, offset, os.SEEK_SET)
         done = 0
@@ -227,27 +255,6 @@ class Boundaries:
             if got == 0:
                 raise OSError(errno.EIO, f"{self.folder}: boundary file ended early")
             done += got
-        del view
-        if self._pages is None or u.size == 0:
-            return u
-        if _PIECES:
-            # MLX copies numpy bytes in while holding the GIL; in pieces, the step's
-            # thread gets it back between them instead of stalling for the whole copy.
-            flat = u.reshape(-1).view(np.uint8)
-            pieces = []
-            for start in range(0, flat.size, _PIECES):
-                piece = mx.array(flat[start:start + _PIECES])
-                self._pages.to_device(np.array(piece, copy=False))
-                pieces.append(piece)
-            return pieces
-        # Made here, off the step's thread: MLX copies the bytes into its unified
-        # memory, and the driver moves those pages to the device in one transfer
-        # (left alone, the backward's first kernel would fault them over a page at
-        # a time while the device waits).
-        h = mx.array(u)
-        del u
-        self._pages.to_device(np.array(h, copy=False))
-        return h
 
     def _check_open(self):
         if self._closed:
