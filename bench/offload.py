@@ -1,19 +1,22 @@
 """What memory.offload disk costs a step, side by side in one process: one model,
-one row, steps alternating boundaries in memory / on disk with a discrete GPU's
-pages moved by faults / on disk with them prefetched (engine/offload.py). One
-JSON row per step.
+one row, the same step with its boundaries in memory and on disk in the ways a
+discrete GPU may move them (engine/offload.py), in turn. One JSON row per step.
 
     python -m bench.offload --seq 32768                    # the 8B 4-bit shape (GPU)
     python -m bench.offload --seq 2048 --layers 4 --dim 256 \\
         --vocab 1024 --dtype float32 --no-quantize          # a CPU-sized check
 
-"faults" is the disk path as it ran before prefetching: on CUDA, MLX's managed
-memory then moves each boundary between device and host a page fault at a time.
-"prefetch" is the default. On unified memory (a Mac, the CPU) there is nothing to
-move and the two are the same path. Every step computes the same thing (steps
-do not update the model): `max_rel` is the largest relative difference of its
-gradients' squared norms and its loss from the first step's (0 on the CPU; on
-CUDA the backward's reductions do not repeat bit for bit, ~1e-3).
+Variants: "memory" keeps the boundaries in memory. "faults" is the disk as it ran
+before the page moves: on CUDA, MLX's managed memory then moves each boundary
+between device and host a page fault at a time. "prefetch" moves the pages in bulk
+but neither settles written boundaries back to the device nor makes read-backs in
+pieces; "settle" adds the first; "pieces" adds both and is the default path. On
+unified memory (a Mac, the CPU) there is nothing to move and all disk variants
+are one path. Every step computes the same thing (steps do not update the
+model): `max_rel` is the largest relative difference of its gradients' squared
+norms and its loss from the first step's (0 on the CPU; on CUDA the backward's
+reductions do not repeat bit for bit, ~1e-3). `write_wait_s` / `read_wait_s`:
+how long the step waited for the disk.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated, of: " + ", ".join(VARIANTS))
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)} (of {', '.join(VARIANTS)})")
     big = args.dim == 4096   # the Llama-3.1-8B shape; otherwise the generic one
     model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype,
                         intermediate=args.intermediate or (14336 if big else None),
@@ -70,10 +77,6 @@ def main(argv=None) -> None:
     pages = offload_mod._pages()
     first = None
     # a first step (kernel builds), then the variants in turn, `rounds` times
-    variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)} (of {', '.join(VARIANTS)})")
     defaults = (offload_mod._SETTLE, offload_mod._PIECES)
     for n, variant in enumerate(variants[-1:] + variants * args.rounds):
         moved, offload_mod._SETTLE, offload_mod._PIECES = VARIANTS[variant] or (True,) + defaults

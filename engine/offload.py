@@ -111,7 +111,7 @@ class Boundaries:
         self.flush()  # the previous write: one boundary in flight at most
         mx_u, _ = _UNSIGNED[h.dtype.size]
         # A numpy view of MLX's buffer (a copy only if h is not row-contiguous), made
-        # here: the I/O thread touches only numpy memory and the file, never MLX.
+        # here: the I/O thread writes numpy memory and never evaluates MLX arrays.
         view = np.array(h.view(mx_u), copy=False)
         data = np.ascontiguousarray(view)
         offset = self._end
@@ -313,7 +313,8 @@ class _Pages:
     moves the same pages in one DMA transfer instead, on a stream of its own,
     beside the compute. It changes where bytes live, never what they are: so a
     move the driver refuses (memory that is not managed, say) turns the moves off
-    for the process, with one warning, and the pages move by faults as before."""
+    for the process, with one warning, and the pages move by faults as before.
+    What each move buys, measured: bench/README.md, "Offload on a discrete GPU"."""
 
     HOST, DEVICE = 2, 1   # CUmemLocationType
 
@@ -380,7 +381,10 @@ class _Pages:
             raise OSError(f"CUDA driver: {what} failed (error {err})")
 
 
-_SETTLE = True          # experiment switches (bench.offload)
+# How a discrete GPU's boundaries travel (bench.offload turns each off to measure
+# what it buys): written boundaries' pages moved back to the device once written,
+# and read-backs made into MLX arrays in pieces of this many bytes (0: whole).
+_SETTLE = True
 _PIECES = 8 << 20
 
 _PAGES: list = []   # the process's one _Pages, or None where there is no discrete GPU

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -259,3 +260,24 @@ def test_full_disk_raises_offload_error(tmp_path):
         assert os.listdir(tiny) == []
     finally:
         subprocess.run(["umount", str(tiny)], check=True)
+
+
+def test_bench_offload_runs_every_variant_and_the_step_reports_its_waits(tmp_path, capsys):
+    """bench.offload at CPU size: a row per step and variant, each the same step
+    (on the CPU the moves do not run: the loss and gradients match bit for bit),
+    and the disk variants carry the waits the step reported."""
+    from bench import offload as bench_offload
+
+    bench_offload.main(["--seq", "256", "--layers", "2", "--dim", "64", "--vocab", "128",
+                        "--dtype", "float32", "--no-quantize", "--rounds", "1",
+                        "--dir", str(tmp_path / "scratch")])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["variant"] for r in rows][1:] == list(bench_offload.VARIANTS)
+    assert all(r["max_rel"] == 0.0 and r["loss"] == rows[0]["loss"] for r in rows)
+    assert all(r["read_wait_s"] >= 0 and r["write_wait_s"] >= 0 for r in rows)
+    assert os.listdir(tmp_path / "scratch") == []   # every step's file gone
+    # the switches the variants flip are back as they were
+    assert (offload._SETTLE, offload._PIECES) == (True, 8 << 20)
+    with pytest.raises(SystemExit) as e:
+        bench_offload.main(["--variants", "memory,fast"])
+    assert e.value.code == 2 and "unknown fast" in capsys.readouterr().err
