@@ -16,7 +16,8 @@ are one path. Every step computes the same thing (steps do not update the
 model): `max_rel` is the largest relative difference of its gradients' squared
 norms and its loss from the first step's (0 on the CPU; on CUDA the backward's
 reductions do not repeat bit for bit, ~1e-3). `write_wait_s` / `read_wait_s`:
-how long the step waited for the disk.
+how long the step waited for the disk; `append_s` / `pop_s`: how long its thread
+spent handing boundaries over, those waits included.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def main(argv=None) -> None:
             "step_s": round(step_s, 3), "fwd_s": round(clock[h - 1][1] - t0, 3),
             "head_s": round(clock[h][1] - clock[h - 1][1], 3),
             "bwd_s": round(clock[-1][1] - clock[h][1], 3), "peak_gb": round(peak, 4),
-            "write_wait_s": round(metrics.get("offload_write_wait_s", 0.0), 3),
-            "read_wait_s": round(metrics.get("offload_read_wait_s", 0.0), 3),
+            "write_wait_s": round(metrics.get("offload_write_wait_s", 0.0), 6),
+            "read_wait_s": round(metrics.get("offload_read_wait_s", 0.0), 6),
+            "append_s": round(metrics.get("offload_append_s", 0.0), 6),
+            "pop_s": round(metrics.get("offload_pop_s", 0.0), 6),
             "loss": loss.item(), "max_rel": float(f"{max_rel:.3g}"),
             "device": str(mx.default_device()), "device_name": _device_name(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)

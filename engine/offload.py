@@ -76,6 +76,9 @@ class Boundaries:
         # seconds the caller waited for the disk: a write still in flight when the
         # next boundary came, a read not back when the backward wanted it
         self.waited = {"write": 0.0, "read": 0.0}
+        # seconds the caller spent in append and pop, waits included: the handing
+        # over of boundaries that the step's own thread pays for
+        self.spent = {"append": 0.0, "pop": 0.0}
         self._piece: np.ndarray | None = None  # the I/O thread's buffer for reads in pieces
         if self.folder is None:
             return
@@ -108,6 +111,7 @@ class Boundaries:
         if self.folder is None:
             self._arrays.append(h)
             return
+        t = time.perf_counter()
         self.flush()  # the previous write: one boundary in flight at most
         mx_u, _ = _UNSIGNED[h.dtype.size]
         # A numpy view of MLX's buffer (a copy only if h is not row-contiguous), made
@@ -120,6 +124,7 @@ class Boundaries:
         # pages to move only where data is MLX's own buffer, not a numpy copy
         pages = self._pages if data is view else None
         self._writing = self._io.submit(self._write, offset, data, h, pages)
+        self.spent["append"] += time.perf_counter() - t
 
     def flush(self) -> None:
         """Wait for the write in flight; a failed one is raised here and its entry
@@ -189,6 +194,7 @@ class Boundaries:
             raise IndexError("pop from empty Boundaries")
         if self.folder is None:
             return self._arrays.pop()
+        t = time.perf_counter()
         self.flush()
         top = len(self._entries) - 1
         ahead, self._ahead = self._ahead, None
@@ -202,7 +208,9 @@ class Boundaries:
         # thread too, after the read ahead: cutting a file waits for the kernel to
         # finish writing back the pages it drops.
         self._io.submit(os.ftruncate, self._file.fileno(), offset)
-        return _to_mx(u, shape, dtype)
+        h = _to_mx(u, shape, dtype)
+        self.spent["pop"] += time.perf_counter() - t
+        return h
 
     def __getitem__(self, i) -> mx.array:
         """Entry i (negative counts from the top), left in place."""

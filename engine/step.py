@@ -90,7 +90,8 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     instead of memory (engine/offload.py). `metrics`, when given, receives the step's preference
     figures (ORPO: margin, accuracy, log_odds, nll; DPO: margin, accuracy,
     chosen_reward, rejected_reward) and, with offload, the seconds the step waited
-    for the disk (offload_write_wait_s, offload_read_wait_s).
+    for the disk (offload_write_wait_s, offload_read_wait_s) and spent handing
+    boundaries over, waits included (offload_append_s, offload_pop_s).
     """
     parts = parts or model_parts(model, check=False)
     plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
@@ -101,13 +102,13 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     if segment_size == 0:
         loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
     else:
-        waited = {"write": 0.0, "read": 0.0}
+        waited = {"write_wait": 0.0, "read_wait": 0.0, "append": 0.0, "pop": 0.0}
         loss, grads, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
                                        mlp_chunk, offload, on_phase, waited)
     if metrics is not None:
         metrics.update(plan.report(sums))
         if segment_size and offload:
-            metrics.update({f"offload_{kind}_wait_s": s for kind, s in waited.items()})
+            metrics.update({f"offload_{kind}_s": s for kind, s in waited.items()})
     return loss, grads
 
 
@@ -554,6 +555,8 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chu
                 _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                           _pieces(mlp_chunk, stream), base_seed, phase, tag)
             for kind, seconds in fwd.boundaries.waited.items():
+                waited[f"{kind}_wait"] += seconds
+            for kind, seconds in fwd.boundaries.spent.items():
                 waited[kind] += seconds
             fwd.boundaries.close()
             forwards[k] = fwd = None  # its donor K/V go before the next branch's backward

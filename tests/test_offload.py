@@ -223,6 +223,20 @@ def test_a_move_the_driver_refuses_turns_the_moves_off_not_the_step(tmp_path):
     assert "error 201" in pages.off
 
 
+def test_the_caller_s_time_and_waits_are_counted(folder):
+    arrays = stack_of_entries()
+    with Boundaries(folder) as b:
+        for h in arrays:
+            b.append(h)
+        for h in reversed(arrays):
+            same_bits(b.pop(), h)
+    if folder is None:   # nothing handed over, nothing waited for
+        assert b.spent == {"append": 0.0, "pop": 0.0} and b.waited == {"write": 0.0, "read": 0.0}
+    else:
+        assert b.spent["append"] >= b.waited["write"] >= 0 and b.spent["append"] > 0
+        assert b.spent["pop"] >= b.waited["read"] >= 0 and b.spent["pop"] > 0
+
+
 def test_check_folder(tmp_path):
     assert check_folder(tmp_path / "made") is None
     assert os.listdir(tmp_path / "made") == []
@@ -275,6 +289,11 @@ def test_bench_offload_runs_every_variant_and_the_step_reports_its_waits(tmp_pat
     assert [r["variant"] for r in rows][1:] == list(bench_offload.VARIANTS)
     assert all(r["max_rel"] == 0.0 and r["loss"] == rows[0]["loss"] for r in rows)
     assert all(r["read_wait_s"] >= 0 and r["write_wait_s"] >= 0 for r in rows)
+    # a disk step's thread spends time handing boundaries over, its waits part of it
+    disk = [r for r in rows if r["variant"] != "memory"]
+    assert all(r["append_s"] > 0 and r["pop_s"] > 0 and r["pop_s"] >= r["read_wait_s"]
+               and r["append_s"] >= r["write_wait_s"] for r in disk)
+    assert all(r["append_s"] == r["pop_s"] == 0 for r in rows if r["variant"] == "memory")
     assert os.listdir(tmp_path / "scratch") == []   # every step's file gone
     # the switches the variants flip are back as they were
     assert (offload._SETTLE, offload._PIECES) == (True, 8 << 20)
