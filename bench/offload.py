@@ -39,9 +39,11 @@ from segctl.engine.step import loss_and_grads
 from bench.engine import bench_model, _device_name
 
 # variant: (pages moved in bulk, settled back to the device after a write, read-back copied
-# into MLX in pieces of this many bytes)
-VARIANTS = {"memory": None, "faults": (False, False, 0), "prefetch": (True, False, 0),
-            "settle": (True, True, 0), "pieces": (True, True, 8 << 20)}
+# into MLX in pieces of this many bytes). "pieces" is the engine's own path; "memory"
+# writes no file, and leaves the switches as they are.
+DEFAULT = (True, offload_mod._SETTLE, offload_mod._PIECES)
+VARIANTS = {"memory": DEFAULT, "faults": (False, False, 0), "prefetch": (True, False, 0),
+            "settle": (True, offload_mod._SETTLE, 0), "pieces": DEFAULT}
 
 
 def main(argv=None) -> None:
@@ -77,45 +79,44 @@ def main(argv=None) -> None:
     scratch = args.dir or tempfile.mkdtemp(prefix="segctl-bench-offload-")
     pages = offload_mod._pages()
     first = None
-    # a first step (kernel builds), then the variants in turn, `rounds` times
-    defaults = (offload_mod._SETTLE, offload_mod._PIECES)
-    for n, variant in enumerate(variants[-1:] + variants * args.rounds):
-        moved, offload_mod._SETTLE, offload_mod._PIECES = VARIANTS[variant] or (True,) + defaults
-        offload_mod._PAGES[:] = [pages if moved else None]
-        clock, metrics = [], {}
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        t0 = time.perf_counter()
-        loss, grads = loss_and_grads(
-            model, example, segment_size=1, head_chunk=512, attn_block=1024, mlp_chunk=4096,
-            offload=None if variant == "memory" else scratch, parts=parts,
-            on_phase=lambda label: clock.append((label, time.perf_counter())), metrics=metrics)
-        mx.eval(loss, grads)
-        step_s = time.perf_counter() - t0
-        peak = mx.get_peak_memory() / 1e9
-        sums = {k: mx.sum(v.astype(mx.float32) ** 2).item() for k, v in grads.items()}
-        sums["loss"] = loss.item()
-        if first is None:
-            first = sums
-        max_rel = max(abs(v - first[k]) / max(abs(first[k]), 1e-30) for k, v in sums.items())
-        labels = [label for label, _ in clock]
-        h = labels.index("head")
-        print(json.dumps({
-            "bench": "offload", "step": n, "variant": f"first step (builds, {variant})" if n == 0 else variant,
-            "seq": args.seq, "arch": args.arch, "layers": args.layers, "dim": args.dim,
-            "dtype": args.dtype, "quantize": args.quantize, "prefetch_here": pages is not None,
-            "step_s": round(step_s, 3), "fwd_s": round(clock[h - 1][1] - t0, 3),
-            "head_s": round(clock[h][1] - clock[h - 1][1], 3),
-            "bwd_s": round(clock[-1][1] - clock[h][1], 3), "peak_gb": round(peak, 4),
-            "write_wait_s": round(metrics.get("offload_write_wait_s", 0.0), 6),
-            "read_wait_s": round(metrics.get("offload_read_wait_s", 0.0), 6),
-            "append_s": round(metrics.get("offload_append_s", 0.0), 6),
-            "pop_s": round(metrics.get("offload_pop_s", 0.0), 6),
-            "loss": loss.item(), "max_rel": float(f"{max_rel:.3g}"),
-            "device": str(mx.default_device()), "device_name": _device_name(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
-    offload_mod._PAGES[:] = [pages]
-    offload_mod._SETTLE, offload_mod._PIECES = defaults
+    try:
+        # a first step (kernel builds), then the variants in turn, `rounds` times
+        for n, variant in enumerate(variants[-1:] + variants * args.rounds):
+            moved, offload_mod._SETTLE, offload_mod._PIECES = VARIANTS[variant]
+            offload_mod._PAGES[:] = [pages if moved else None]
+            clock, metrics = [], {}
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            t0 = time.perf_counter()
+            loss, grads = loss_and_grads(
+                model, example, segment_size=1, head_chunk=512, attn_block=1024, mlp_chunk=4096,
+                offload=None if variant == "memory" else scratch, parts=parts,
+                on_phase=lambda label: clock.append((label, time.perf_counter())), metrics=metrics)
+            mx.eval(loss, grads)
+            step_s = time.perf_counter() - t0
+            peak = mx.get_peak_memory() / 1e9
+            sums = {k: mx.sum(v.astype(mx.float32) ** 2).item() for k, v in grads.items()}
+            sums["loss"] = loss.item()
+            if first is None:
+                first = sums
+            max_rel = max(abs(v - first[k]) / max(abs(first[k]), 1e-30) for k, v in sums.items())
+            labels = [label for label, _ in clock]
+            h = labels.index("head")
+            print(json.dumps({
+                "bench": "offload", "step": n, "variant": f"first step (builds, {variant})" if n == 0 else variant,
+                "seq": args.seq, "arch": args.arch, "layers": args.layers, "dim": args.dim,
+                "dtype": args.dtype, "quantize": args.quantize, "prefetch_here": pages is not None,
+                "step_s": round(step_s, 3), "fwd_s": round(clock[h - 1][1] - t0, 3),
+                "head_s": round(clock[h][1] - clock[h - 1][1], 3),
+                "bwd_s": round(clock[-1][1] - clock[h][1], 3), "peak_gb": round(peak, 4),
+                **{f"{key}_s": round(metrics.get(f"offload_{key}_s", 0.0), 6)
+                   for key in ("write_wait", "read_wait", "append", "pop")},
+                "loss": loss.item(), "max_rel": float(f"{max_rel:.3g}"),
+                "device": str(mx.default_device()), "device_name": _device_name(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+    finally:   # the engine's switches as they were
+        offload_mod._PAGES[:] = [pages]
+        offload_mod._SETTLE, offload_mod._PIECES = DEFAULT[1:]
     if not args.dir:
         os.rmdir(scratch)
 

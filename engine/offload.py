@@ -73,12 +73,10 @@ class Boundaries:
         self._io = None  # the one thread every file operation runs on, in order
         self._writing: Future | None = None  # the last append's write
         self._ahead: tuple[int, Future] | None = None  # (entry index, its read) read ahead
-        # seconds the caller waited for the disk: a write still in flight when the
-        # next boundary came, a read not back when the backward wanted it
-        self.waited = {"write": 0.0, "read": 0.0}
-        # seconds the caller spent in append and pop, waits included: the handing
-        # over of boundaries that the step's own thread pays for
-        self.spent = {"append": 0.0, "pop": 0.0}
+        # The caller's seconds: waiting for the disk (a write still in flight when
+        # the next boundary came, a read not back when the backward wanted it), and
+        # in append and pop, waits included (the handing over that its thread pays).
+        self.seconds = {"write_wait": 0.0, "read_wait": 0.0, "append": 0.0, "pop": 0.0}
         self._piece: np.ndarray | None = None  # the I/O thread's buffer for reads in pieces
         if self.folder is None:
             return
@@ -124,7 +122,7 @@ class Boundaries:
         # pages to move only where data is MLX's own buffer, not a numpy copy
         pages = self._pages if data is view else None
         self._writing = self._io.submit(self._write, offset, data, h, pages)
-        self.spent["append"] += time.perf_counter() - t
+        self.seconds["append"] += time.perf_counter() - t
 
     def flush(self) -> None:
         """Wait for the write in flight; a failed one is raised here and its entry
@@ -133,7 +131,7 @@ class Boundaries:
         writing, self._writing = self._writing, None
         if writing is not None:
             try:
-                self._wait(writing, "write")
+                self._wait(writing, "write_wait")
             except OSError:
                 offset = self._entries.pop()[0]
                 self._end = offset
@@ -146,12 +144,12 @@ class Boundaries:
         if self._io is not None:
             self._io.submit(lambda: None).result()
 
-    def _wait(self, job: Future, kind: str):
+    def _wait(self, job: Future, key: str):
         t = time.perf_counter()
         try:
             return job.result()
         finally:
-            self.waited[kind] += time.perf_counter() - t
+            self.seconds[key] += time.perf_counter() - t
 
     def _write(self, offset: int, data: np.ndarray, h: mx.array, pages: _Pages | None) -> None:
         if pages is not None:
@@ -199,7 +197,7 @@ class Boundaries:
         top = len(self._entries) - 1
         ahead, self._ahead = self._ahead, None
         u = self._wait(ahead[1] if ahead and ahead[0] == top else self._io.submit(
-            self._load, self._entries[top]), "read")
+            self._load, self._entries[top]), "read_wait")
         offset, shape, dtype = self._entries.pop()
         self._end = offset
         if self._entries:  # the next pop's, read while this one is worked on
@@ -209,7 +207,7 @@ class Boundaries:
         # finish writing back the pages it drops.
         self._io.submit(os.ftruncate, self._file.fileno(), offset)
         h = _to_mx(u, shape, dtype)
-        self.spent["pop"] += time.perf_counter() - t
+        self.seconds["pop"] += time.perf_counter() - t
         return h
 
     def __getitem__(self, i) -> mx.array:
@@ -300,8 +298,8 @@ class Boundaries:
 
 def _to_mx(u: np.ndarray | mx.array | list, shape, dtype) -> mx.array:
     """Bytes read from the file as the MLX array they were (a copy into MLX memory)."""
-    if isinstance(u, list):
-        u = mx.concatenate(u).view(_UNSIGNED[dtype.size][0])
+    if isinstance(u, list):   # pieces of bytes
+        u = mx.concatenate(u)
     if u.size == 0:
         return mx.zeros(shape, dtype)
     h = (u if isinstance(u, mx.array) else mx.array(u)).view(dtype).reshape(shape)

@@ -102,13 +102,13 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     if segment_size == 0:
         loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
     else:
-        waited = {"write_wait": 0.0, "read_wait": 0.0, "append": 0.0, "pop": 0.0}
+        offload_s: dict = {}
         loss, grads, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
-                                       mlp_chunk, offload, on_phase, waited)
+                                       mlp_chunk, offload, on_phase, offload_s)
     if metrics is not None:
         metrics.update(plan.report(sums))
         if segment_size and offload:
-            metrics.update({f"offload_{kind}_s": s for kind, s in waited.items()})
+            metrics.update({f"offload_{key}_s": s for key, s in offload_s.items()})
     return loss, grads
 
 
@@ -513,7 +513,7 @@ class _Forward:
 
 
 def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chunk, offload,
-               on_phase, waited):
+               on_phase, offload_s):
     phase = on_phase or (lambda label: None)
     layers = parts.layers
     segments = plan_segments(len(layers), segment_size)
@@ -554,10 +554,8 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chu
             with _positions(parts, stream):
                 _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                           _pieces(mlp_chunk, stream), base_seed, phase, tag)
-            for kind, seconds in fwd.boundaries.waited.items():
-                waited[f"{kind}_wait"] += seconds
-            for kind, seconds in fwd.boundaries.spent.items():
-                waited[kind] += seconds
+            for key, seconds in fwd.boundaries.seconds.items():
+                offload_s[key] = offload_s.get(key, 0.0) + seconds
             fwd.boundaries.close()
             forwards[k] = fwd = None  # its donor K/V go before the next branch's backward
     mx.random.seed(base_seed + len(layers))
