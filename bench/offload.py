@@ -10,7 +10,9 @@ Variants: "memory" keeps the boundaries in memory. "faults" is the disk as it ra
 before the page moves: on CUDA, MLX's managed memory then moves each boundary
 between device and host a page fault at a time. "prefetch" moves the pages in bulk
 but neither settles written boundaries back to the device nor makes read-backs in
-pieces; "settle" adds the first; "pieces" adds both and is the default path. On
+pieces; "settle" adds the first; "pieces" adds both. "copies", the default path,
+moves no page: the boundary's bytes are copied out of and back into device memory
+through a small page-locked buffer. On
 unified memory (a Mac, the CPU) there is nothing to move and all disk variants
 are one path. Every step computes the same thing (steps do not update the
 model): `max_rel` is the largest relative difference of its gradients' squared
@@ -39,11 +41,13 @@ from segctl.engine.step import loss_and_grads
 from bench.engine import bench_model, _device_name
 
 # variant: (pages moved in bulk, settled back to the device after a write, read-back copied
-# into MLX in pieces of this many bytes). "pieces" is the engine's own path; "memory"
-# writes no file, and leaves the switches as they are.
-DEFAULT = (True, offload_mod._SETTLE, offload_mod._PIECES)
-VARIANTS = {"memory": DEFAULT, "faults": (False, False, 0), "prefetch": (True, False, 0),
-            "settle": (True, offload_mod._SETTLE, 0), "pieces": DEFAULT}
+# into MLX in pieces of this many bytes, boundaries copied through a page-locked buffer
+# instead of moved). "copies" is the engine's own path; "memory" writes no file, and
+# leaves the switches as they are.
+DEFAULT = (True, offload_mod._SETTLE, offload_mod._PIECES, offload_mod._COPIES)
+VARIANTS = {"memory": DEFAULT, "faults": (False, False, 0, False),
+            "prefetch": (True, False, 0, False), "settle": (True, True, 0, False),
+            "pieces": (True, True, offload_mod._PIECES, False), "copies": DEFAULT}
 
 
 def main(argv=None) -> None:
@@ -82,7 +86,8 @@ def main(argv=None) -> None:
     try:
         # a first step (kernel builds), then the variants in turn, `rounds` times
         for n, variant in enumerate(variants[-1:] + variants * args.rounds):
-            moved, offload_mod._SETTLE, offload_mod._PIECES = VARIANTS[variant]
+            moved, offload_mod._SETTLE, offload_mod._PIECES, offload_mod._COPIES = \
+                VARIANTS[variant]
             offload_mod._PAGES[:] = [pages if moved else None]
             clock, metrics = [], {}
             mx.clear_cache()
@@ -116,7 +121,7 @@ def main(argv=None) -> None:
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
     finally:   # the engine's switches as they were
         offload_mod._PAGES[:] = [pages]
-        offload_mod._SETTLE, offload_mod._PIECES = DEFAULT[1:]
+        offload_mod._SETTLE, offload_mod._PIECES, offload_mod._COPIES = DEFAULT[1:]
     if not args.dir:
         os.rmdir(scratch)
 

@@ -78,6 +78,7 @@ class Boundaries:
         # in append and pop, waits included (the handing over that its thread pays).
         self.seconds = {"write_wait": 0.0, "read_wait": 0.0, "append": 0.0, "pop": 0.0}
         self._piece: np.ndarray | None = None  # the I/O thread's buffer for reads in pieces
+        self._staging: np.ndarray | None = None  # its page-locked buffer for copies
         if self.folder is None:
             return
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
@@ -152,18 +153,16 @@ class Boundaries:
             self.seconds[key] += time.perf_counter() - t
 
     def _write(self, offset: int, data: np.ndarray, h: mx.array, pages: _Pages | None) -> None:
-        if pages is not None:
-            pages.to_host(data)
-        view = memoryview(data).cast("B")
-        n = view.nbytes
+        copies = pages is not None and _COPIES
         fd = self._file.fileno()
         try:
             # write() rather than writing into an mmap: a full disk is then an
             # ENOSPC we can report, not a SIGBUS. Scratch data: never fsync'd.
             os.lseek(fd, offset, os.SEEK_SET)
-            done = 0
-            while done < n:  # a single write may take less (Linux caps it near 2 GB)
-                done += os.write(fd, view[done:])
+            if not (copies and self._write_staged(fd, offset, data, pages)):
+                if pages is not None and not copies:
+                    pages.to_host(data)
+                _write_all(fd, memoryview(data).cast("B"))
         except OSError as e:
             try:  # give back what part of it was written
                 os.ftruncate(fd, offset)
@@ -171,19 +170,54 @@ class Boundaries:
                 pass
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 err = OffloadError(
-                    f"{self.folder}: no space for {n} bytes of boundaries "
+                    f"{self.folder}: no space for {data.nbytes} bytes of boundaries "
                     f"({offset} already there); free space there or set memory.offload: none")
                 err.errno = e.errno
                 raise err from e
             raise
         finally:
-            del view
-            if pages is not None and _SETTLE:
+            if pages is not None and not copies and _SETTLE:
                 # Back to the device before MLX gets the buffer back: its cache
                 # hands it to the next kernel of that size, which would otherwise
                 # fault the pages over one at a time.
                 pages.to_device(data)
             del data, h
+
+    def _write_staged(self, fd: int, offset: int, data: np.ndarray, pages: _Pages) -> bool:
+        """Write `data` (device memory) as copies into a page-locked buffer, a piece
+        at a time: its pages never leave the device. False, with the file where it
+        was, if the driver refused."""
+        stage = self._stage(pages)
+        if stage is None:
+            return False
+        src, n = data.ctypes.data, data.nbytes
+        for start in range(0, n, stage.size):
+            piece = stage[:min(stage.size, n - start)]
+            if not pages.copy_out(piece, src + start):
+                os.lseek(fd, offset, os.SEEK_SET)
+                return False
+            _write_all(fd, memoryview(piece))
+        return True
+
+    def _read_staged(self, offset: int, h: mx.array, dst: int) -> bool:
+        """Fill h (device memory at dst) from the file through the page-locked
+        buffer, a piece at a time. False if the driver refused."""
+        stage = self._stage(self._pages)
+        if stage is None:
+            return False
+        n = h.nbytes
+        for start in range(0, n, stage.size):
+            piece = stage[:min(stage.size, n - start)]
+            self._read_into(memoryview(piece), offset + start)
+            if not self._pages.copy_in(dst + start, piece):
+                return False
+        return True
+
+    def _stage(self, pages: _Pages) -> np.ndarray | None:
+        """The I/O thread's page-locked buffer (None if the driver refused one)."""
+        if self._staging is None:
+            self._staging = pages.pinned(_PIECES or 8 << 20)
+        return self._staging
 
     def pop(self) -> mx.array:
         """The last appended array, evaluated; in disk mode the file shrinks by it."""
@@ -196,12 +230,12 @@ class Boundaries:
         self.flush()
         top = len(self._entries) - 1
         ahead, self._ahead = self._ahead, None
-        u = self._wait(ahead[1] if ahead and ahead[0] == top else self._io.submit(
-            self._load, self._entries[top]), "read_wait")
+        u = self._wait(ahead[1] if ahead and ahead[0] == top else self._read(
+            self._entries[top]), "read_wait")
         offset, shape, dtype = self._entries.pop()
         self._end = offset
         if self._entries:  # the next pop's, read while this one is worked on
-            self._ahead = (top - 1, self._io.submit(self._load, self._entries[top - 1]))
+            self._ahead = (top - 1, self._read(self._entries[top - 1]))
         # Disk use falls as the backward walks back through the segments. On the I/O
         # thread too, after the read ahead: cutting a file waits for the kernel to
         # finish writing back the pages it drops.
@@ -217,13 +251,30 @@ class Boundaries:
             return self._arrays[i]
         self.flush()
         _, shape, dtype = entry = self._entries[i]
-        return _to_mx(self._io.submit(self._load, entry).result(), shape, dtype)
+        return _to_mx(self._read(entry).result(), shape, dtype)
 
-    def _load(self, entry) -> np.ndarray | mx.array | list[mx.array]:
+    def _read(self, entry) -> Future:
+        """The entry's read, queued on the I/O thread. Where a discrete GPU's copies
+        are on, its array is made here first, by a kernel (so its pages are on the
+        device), to be filled there by copies; its bytes' address goes along."""
+        _, shape, dtype = entry
+        pages, into = self._pages, None
+        if pages is not None and _COPIES and not pages.off and 0 not in shape:
+            h = mx.zeros(shape, dtype)
+            raw = np.array(h.view(_UNSIGNED[dtype.size][0]), copy=False)
+            if raw.flags.c_contiguous and raw.nbytes == h.nbytes:   # a buffer of its own
+                into = (h, raw.ctypes.data)
+        return self._io.submit(self._load, entry, into)
+
+    def _load(self, entry, into=None) -> np.ndarray | mx.array | list[mx.array]:
         """An entry's bytes, read into host memory (on the I/O thread); on a
         discrete GPU, already in MLX arrays with their pages on the device."""
         offset, shape, dtype = entry
         _, np_u = _UNSIGNED[dtype.size]
+        if into is not None:
+            if self._read_staged(offset, *into):
+                return into[0]
+            del into   # the driver refused: read it again below
         if self._pages is None or not _PIECES or 0 in shape:
             u = np.empty(int(np.prod(shape)), dtype=np_u)
             self._read_into(memoryview(u).cast("B"), offset)
@@ -275,6 +326,9 @@ class Boundaries:
         if self._io is not None:
             self._io.shutdown(wait=True, cancel_futures=True)
             self._io = None
+        if self._staging is not None:
+            self._pages.unpin(self._staging)
+            self._staging = None
         self._writing = self._ahead = None
         self._arrays.clear()
         self._entries.clear()
@@ -294,6 +348,12 @@ class Boundaries:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < view.nbytes:  # a single write may take less (Linux caps it near 2 GB)
+        done += os.write(fd, view[done:])
 
 
 def _to_mx(u: np.ndarray | mx.array | list, shape, dtype) -> mx.array:
@@ -343,6 +403,12 @@ class _Pages:
         else:
             lib.cuMemPrefetchAsync.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int,
                                                ctypes.c_void_p]
+        lib.cuMemAllocHost_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cuMemFreeHost.argtypes = [ctypes.c_void_p]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
+                                             ctypes.c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                             ctypes.c_void_p]
         self.off: str | None = None   # why the moves stopped, once one failed
 
     def to_host(self, a: np.ndarray) -> None:
@@ -354,21 +420,61 @@ class _Pages:
     def _move(self, a: np.ndarray, where: int) -> None:
         if a.nbytes == 0 or self.off:
             return
+        if self._v2:
+            loc = self._Location(where, self._device if where == self.DEVICE else 0)
+            self._on_stream("cuMemPrefetchAsync_v2", a.ctypes.data, a.nbytes, loc, 0)
+        else:
+            self._on_stream("cuMemPrefetchAsync", a.ctypes.data, a.nbytes,
+                            self._device if where == self.DEVICE else -1)
+
+    def pinned(self, n: int) -> np.ndarray | None:
+        """n bytes of page-locked host memory, which the copy engine reads and
+        writes directly (None if the driver refused)."""
+        ptr = ctypes.c_void_p()
+
+        def alloc():
+            self._stream()   # the context current on this thread
+            return self._lib.cuMemAllocHost_v2(ctypes.byref(ptr), n)
+        if self._guard("cuMemAllocHost", alloc):
+            return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr.value))
+        return None
+
+    def unpin(self, a: np.ndarray) -> None:
         try:
+            self._stream()
+            self._lib.cuMemFreeHost(ctypes.c_void_p(a.ctypes.data))
+        except OSError:
+            pass   # no context left: the driver took the memory back with it
+
+    def copy_out(self, dst: np.ndarray, src: int) -> bool:
+        """dst.nbytes bytes from device address src into host memory dst."""
+        return self._on_stream("cuMemcpyDtoHAsync_v2", dst.ctypes.data, src, dst.nbytes)
+
+    def copy_in(self, dst: int, src: np.ndarray) -> bool:
+        """src's bytes (host memory) to device address dst."""
+        return self._on_stream("cuMemcpyHtoDAsync_v2", dst, src.ctypes.data, src.nbytes)
+
+    def _on_stream(self, name: str, *args) -> bool:
+        """The driver's `name`(*args, stream) on this thread's stream, waited for."""
+        def call():
             stream = self._stream()
-            ptr, n = a.ctypes.data, a.nbytes
-            if self._v2:
-                loc = self._Location(where, self._device if where == self.DEVICE else 0)
-                err = self._lib.cuMemPrefetchAsync_v2(ptr, n, loc, 0, stream)
-            else:
-                err = self._lib.cuMemPrefetchAsync(
-                    ptr, n, self._device if where == self.DEVICE else -1, stream)
-            self._check(err, "cuMemPrefetchAsync")
-            self._check(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            self._check(getattr(self._lib, name)(*args, stream), name)
+            return self._lib.cuStreamSynchronize(stream)
+        return self._guard(name, call)
+
+    def _guard(self, what: str, fn) -> bool:
+        """True if fn() returned CUDA_SUCCESS; the first failure turns every later
+        call off, with one warning."""
+        if self.off:
+            return False
+        try:
+            self._check(fn(), what)
+            return True
         except OSError as e:
             self.off = str(e)
             warnings.warn(f"offload: boundary pages move by faults from here on ({e})",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
+            return False
 
     def _stream(self) -> ctypes.c_void_p:
         """This thread's stream, the primary context made current on it first."""
@@ -392,6 +498,7 @@ class _Pages:
 # and read-backs made into MLX arrays in pieces of this many bytes (0: whole).
 _SETTLE = True
 _PIECES = 8 << 20
+_COPIES = True
 
 _PAGES: list = []   # the process's one _Pages, or None where there is no discrete GPU
 

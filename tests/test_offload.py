@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import tempfile
 import subprocess
 import sys
 import textwrap
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import threading
@@ -181,6 +184,7 @@ class RecordedPages(offload._Pages):
 def test_a_discrete_gpus_pages_move_on_the_io_thread_and_change_no_bit(tmp_path, monkeypatch,
                                                                        piece):
     monkeypatch.setattr(offload, "_PIECES", piece)
+    monkeypatch.setattr(offload, "_COPIES", False)
     arrays = stack_of_entries()
     pages = RecordedPages()
     with Boundaries(tmp_path / "scratch", pages=pages) as b:
@@ -202,9 +206,86 @@ def test_a_discrete_gpus_pages_move_on_the_io_thread_and_change_no_bit(tmp_path,
     assert all(m[2].startswith("boundaries-io") for m in pages.moves)
 
 
-def test_a_move_the_driver_refuses_turns_the_moves_off_not_the_step(tmp_path):
-    """Where the pages are is a hint: a refused move warns once, later boundaries
-    are not moved, and every entry still comes back bit-exact."""
+class HostCopies(offload._Pages):
+    """A discrete GPU's copies made by memmove (on the CPU, MLX's memory is host
+    memory, so device addresses are host ones), each recorded with its thread.
+    After `refuse_after` copies in, the driver refuses."""
+
+    def __init__(self, refuse_after=None):
+        self.off, self.calls, self.refuse_after = None, [], refuse_after
+
+    def _note(self, what, n):
+        self.calls.append((what, n, threading.current_thread().name))
+
+    def pinned(self, n):
+        self._note("pin", n)
+        return np.zeros(n, np.uint8)
+
+    def unpin(self, a):
+        self._note("unpin", a.nbytes)
+
+    def copy_out(self, dst, src):
+        self._note("out", dst.nbytes)
+        ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
+        return True
+
+    def copy_in(self, dst, src):
+        if sum(c[0] == "in" for c in self.calls) == self.refuse_after:
+            self.off = "refused"
+            return False
+        self._note("in", src.nbytes)
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
+        return True
+
+    def _move(self, a, where):
+        self._note("move", a.nbytes)
+
+
+@pytest.mark.parametrize("piece", [8 << 20, 64])
+def test_a_discrete_gpus_boundaries_are_copied_through_one_pinned_buffer(tmp_path, monkeypatch,
+                                                                        piece):
+    """No page moves: each boundary goes out and comes back as copies of at most
+    `piece` bytes through one page-locked buffer, on the I/O thread, bit-exact; the
+    read-back lands in an array of the boundary's own shape and dtype."""
+    monkeypatch.setattr(offload, "_PIECES", piece)
+    arrays = stack_of_entries()
+    copies = HostCopies()
+    with Boundaries(tmp_path / "scratch", pages=copies) as b:
+        for h in arrays:
+            b.append(h)
+        b.settle()
+        for h in reversed(arrays):
+            same_bits(b.pop(), h)
+        b.settle()
+    calls = copies.calls
+    assert [c[:2] for c in calls if c[0] in ("pin", "unpin")] == [("pin", piece), ("unpin", piece)]
+    assert not [c for c in calls if c[0] == "move"]
+    for way in ("out", "in"):
+        sizes = [c[1] for c in calls if c[0] == way]
+        assert max(sizes) <= piece and sum(sizes) == sum(h.nbytes for h in arrays)
+    assert all(c[2].startswith("boundaries-io") for c in calls if c[0] != "unpin")
+
+
+def test_a_copy_the_driver_refuses_midway_reads_the_boundary_again():
+    """A refused copy leaves a read-back half filled: that entry is read again the
+    way the CPU reads it, and every later one too, bit-exact."""
+    arrays = stack_of_entries()
+    copies = HostCopies(refuse_after=1)
+    with tempfile.TemporaryDirectory() as folder:
+        with Boundaries(folder, pages=copies) as b:
+            for h in arrays:
+                b.append(h)
+            for h in reversed(arrays):
+                same_bits(b.pop(), h)
+    assert copies.off == "refused" and [c[0] for c in copies.calls].count("in") == 1
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_move_the_driver_refuses_turns_the_moves_off_not_the_step(tmp_path, monkeypatch,
+                                                                    copies):
+    """Where the pages are is a hint: a refused move or copy warns once, later
+    boundaries are not moved, and every entry still comes back bit-exact."""
+    monkeypatch.setattr(offload, "_COPIES", copies)
     class Refusing(offload._Pages):
         def __init__(self):   # no driver here: the first call into it fails
             self.off, self._device, self._v2 = None, 0, True
@@ -297,7 +378,7 @@ def test_bench_offload_runs_every_variant_and_the_step_reports_its_waits(tmp_pat
     assert all(r["append_s"] == r["pop_s"] == 0 for r in rows if r["variant"] == "memory")
     assert os.listdir(tmp_path / "scratch") == []   # every step's file gone
     # the switches the variants flip are back as they were
-    assert (offload._SETTLE, offload._PIECES) == (True, 8 << 20)
+    assert (offload._SETTLE, offload._PIECES, offload._COPIES) == (True, 8 << 20, True)
     with pytest.raises(SystemExit) as e:
         bench_offload.main(["--variants", "memory,fast"])
     assert e.value.code == 2 and "unknown fast" in capsys.readouterr().err
