@@ -6,20 +6,18 @@ discrete GPU may move them (engine/offload.py), in turn. One JSON row per step.
     python -m bench.offload --seq 2048 --layers 4 --dim 256 \\
         --vocab 1024 --dtype float32 --no-quantize          # a CPU-sized check
 
-Variants: "memory" keeps the boundaries in memory. "faults" is the disk as it ran
-before the page moves: on CUDA, MLX's managed memory then moves each boundary
-between device and host a page fault at a time. "prefetch" moves the pages in bulk
-but neither settles written boundaries back to the device nor makes read-backs in
-pieces; "settle" adds the first; "pieces" adds both. "copies", the default path,
-moves no page: the boundary's bytes are copied out of and back into device memory
-through a small page-locked buffer. On
-unified memory (a Mac, the CPU) there is nothing to move and all disk variants
-are one path. Every step computes the same thing (steps do not update the
-model): `max_rel` is the largest relative difference of its gradients' squared
-norms and its loss from the first step's (0 on the CPU; on CUDA the backward's
-reductions do not repeat bit for bit, ~1e-3). `write_wait_s` / `read_wait_s`:
-how long the step waited for the disk; `append_s` / `pop_s`: how long its thread
-spent handing boundaries over, those waits included.
+Variants: "memory" keeps the boundaries in memory; "copies", the engine's path,
+keeps them on disk, and on a discrete GPU copies their bytes out of and back into
+device memory through a small page-locked buffer; "faults" keeps them on disk
+with the copies off, as a driver that refuses them leaves it: on CUDA, MLX's
+managed memory then moves each boundary between device and host a page fault at
+a time. On unified memory (a Mac, the CPU) there is nothing to copy and both disk
+variants are one path. Every step computes the same thing (steps do not update
+the model): `max_rel` is the largest relative difference of its gradients'
+squared norms and its loss from the first step's (0 on the CPU; on CUDA the
+backward's reductions do not repeat bit for bit, ~1e-3). `write_wait_s` /
+`read_wait_s`: how long the step waited for the disk; `append_s` / `pop_s`: how
+long its thread spent handing boundaries over, those waits included.
 """
 
 from __future__ import annotations
@@ -40,14 +38,8 @@ from segctl.engine.model import model_parts
 from segctl.engine.step import loss_and_grads
 from bench.engine import bench_model, _device_name
 
-# variant: (pages moved in bulk, settled back to the device after a write, read-back copied
-# into MLX in pieces of this many bytes, boundaries copied through a page-locked buffer
-# instead of moved). "copies" is the engine's own path; "memory" writes no file, and
-# leaves the switches as they are.
-DEFAULT = (True, offload_mod._SETTLE, offload_mod._PIECES, offload_mod._COPIES)
-VARIANTS = {"memory": DEFAULT, "faults": (False, False, 0, False),
-            "prefetch": (True, False, 0, False), "settle": (True, True, 0, False),
-            "pieces": (True, True, offload_mod._PIECES, False), "copies": DEFAULT}
+# variant: whether a discrete GPU's copies are on ("memory" writes no file)
+VARIANTS = {"memory": True, "faults": False, "copies": True}
 
 
 def main(argv=None) -> None:
@@ -81,14 +73,12 @@ def main(argv=None) -> None:
     ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
     example = Example(ids, args.seq // 2)
     scratch = args.dir or tempfile.mkdtemp(prefix="segctl-bench-offload-")
-    pages = offload_mod._pages()
+    copies = offload_mod._device_copies()
     first = None
     try:
         # a first step (kernel builds), then the variants in turn, `rounds` times
         for n, variant in enumerate(variants[-1:] + variants * args.rounds):
-            moved, offload_mod._SETTLE, offload_mod._PIECES, offload_mod._COPIES = \
-                VARIANTS[variant]
-            offload_mod._PAGES[:] = [pages if moved else None]
+            offload_mod._DEVICE_COPIES[:] = [copies if VARIANTS[variant] else None]
             clock, metrics = [], {}
             mx.clear_cache()
             mx.reset_peak_memory()
@@ -110,7 +100,7 @@ def main(argv=None) -> None:
             print(json.dumps({
                 "bench": "offload", "step": n, "variant": f"first step (builds, {variant})" if n == 0 else variant,
                 "seq": args.seq, "arch": args.arch, "layers": args.layers, "dim": args.dim,
-                "dtype": args.dtype, "quantize": args.quantize, "prefetch_here": pages is not None,
+                "dtype": args.dtype, "quantize": args.quantize, "copies_here": copies is not None,
                 "step_s": round(step_s, 3), "fwd_s": round(clock[h - 1][1] - t0, 3),
                 "head_s": round(clock[h][1] - clock[h - 1][1], 3),
                 "bwd_s": round(clock[-1][1] - clock[h][1], 3), "peak_gb": round(peak, 4),
@@ -119,9 +109,8 @@ def main(argv=None) -> None:
                 "loss": loss.item(), "max_rel": float(f"{max_rel:.3g}"),
                 "device": str(mx.default_device()), "device_name": _device_name(),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
-    finally:   # the engine's switches as they were
-        offload_mod._PAGES[:] = [pages]
-        offload_mod._SETTLE, offload_mod._PIECES, offload_mod._COPIES = DEFAULT[1:]
+    finally:   # the engine's copier as it was
+        offload_mod._DEVICE_COPIES[:] = [copies]
     if not args.dir:
         os.rmdir(scratch)
 

@@ -54,16 +54,18 @@ class Boundaries:
     compute: an appended boundary is written while the next segment's forward runs,
     and when one is popped the one below it is read ahead while the backward works
     on this one. So at most one boundary is in flight each way (a write holds its
-    array until done; a read ahead holds one boundary's bytes in host memory), and
+    array until done; a read ahead holds one boundary's bytes, in host memory or,
+    on a discrete GPU, already in the device's), and
     the step waits for the disk only where it is slower than a segment's compute.
     A failed write (a full disk) is raised by the next call that waits for it:
     append, pop, flush or read."""
 
-    def __init__(self, folder: str | os.PathLike | None = None, pages: _Pages | None = None):
+    def __init__(self, folder: str | os.PathLike | None = None,
+                 copies: _DeviceCopies | None = None):
         self.folder = None if folder is None else os.fspath(folder)
-        # On a discrete GPU, how the I/O thread moves a boundary's pages in bulk
-        # (None: the CPU and Metal, where host and device memory are one)
-        self._pages = pages if pages is not None or folder is None else _pages()
+        # On a discrete GPU, how the I/O thread copies a boundary's bytes out of and
+        # into device memory (None: the CPU and Metal, where memory is one)
+        self._copies = copies if copies is not None or folder is None else _device_copies()
         self._arrays: list[mx.array] = []  # memory mode
         self._entries: list[tuple[int, tuple[int, ...], mx.Dtype]] = []  # disk mode: offset, shape, dtype
         self._end = 0  # file size: where the next entry goes
@@ -77,8 +79,7 @@ class Boundaries:
         # the next boundary came, a read not back when the backward wanted it), and
         # in append and pop, waits included (the handing over that its thread pays).
         self.seconds = {"write_wait": 0.0, "read_wait": 0.0, "append": 0.0, "pop": 0.0}
-        self._piece: np.ndarray | None = None  # the I/O thread's buffer for reads in pieces
-        self._staging: np.ndarray | None = None  # its page-locked buffer for copies
+        self._staging: np.ndarray | None = None  # the I/O thread's page-locked buffer
         if self.folder is None:
             return
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
@@ -120,9 +121,9 @@ class Boundaries:
         offset = self._end
         self._end = offset + data.nbytes
         self._entries.append((offset, tuple(h.shape), h.dtype))
-        # pages to move only where data is MLX's own buffer, not a numpy copy
-        pages = self._pages if data is view else None
-        self._writing = self._io.submit(self._write, offset, data, h, pages)
+        # copied from the device only where data is MLX's own buffer, not a numpy copy
+        copies = self._copies if data is view else None
+        self._writing = self._io.submit(self._write, offset, data, h, copies)
         self.seconds["append"] += time.perf_counter() - t
 
     def flush(self) -> None:
@@ -152,16 +153,14 @@ class Boundaries:
         finally:
             self.seconds[key] += time.perf_counter() - t
 
-    def _write(self, offset: int, data: np.ndarray, h: mx.array, pages: _Pages | None) -> None:
-        copies = pages is not None and _COPIES
+    def _write(self, offset: int, data: np.ndarray, h: mx.array,
+               copies: _DeviceCopies | None) -> None:
         fd = self._file.fileno()
         try:
             # write() rather than writing into an mmap: a full disk is then an
             # ENOSPC we can report, not a SIGBUS. Scratch data: never fsync'd.
             os.lseek(fd, offset, os.SEEK_SET)
-            if not (copies and self._write_staged(fd, offset, data, pages)):
-                if pages is not None and not copies:
-                    pages.to_host(data)
+            if not (copies and self._write_staged(fd, offset, data, copies)):
                 _write_all(fd, memoryview(data).cast("B"))
         except OSError as e:
             try:  # give back what part of it was written
@@ -176,24 +175,19 @@ class Boundaries:
                 raise err from e
             raise
         finally:
-            if pages is not None and not copies and _SETTLE:
-                # Back to the device before MLX gets the buffer back: its cache
-                # hands it to the next kernel of that size, which would otherwise
-                # fault the pages over one at a time.
-                pages.to_device(data)
             del data, h
 
-    def _write_staged(self, fd: int, offset: int, data: np.ndarray, pages: _Pages) -> bool:
-        """Write `data` (device memory) as copies into a page-locked buffer, a piece
-        at a time: its pages never leave the device. False, with the file where it
-        was, if the driver refused."""
-        stage = self._stage(pages)
+    def _write_staged(self, fd: int, offset: int, data: np.ndarray,
+                      copies: _DeviceCopies) -> bool:
+        """Write `data` (device memory) by copying it into the page-locked buffer a
+        piece at a time. False, with the file where it was, if the driver refused."""
+        stage = self._stage(copies)
         if stage is None:
             return False
         src, n = data.ctypes.data, data.nbytes
         for start in range(0, n, stage.size):
             piece = stage[:min(stage.size, n - start)]
-            if not pages.copy_out(piece, src + start):
+            if not copies.copy_out(piece, src + start):
                 os.lseek(fd, offset, os.SEEK_SET)
                 return False
             _write_all(fd, memoryview(piece))
@@ -202,21 +196,21 @@ class Boundaries:
     def _read_staged(self, offset: int, h: mx.array, dst: int) -> bool:
         """Fill h (device memory at dst) from the file through the page-locked
         buffer, a piece at a time. False if the driver refused."""
-        stage = self._stage(self._pages)
+        stage = self._stage(self._copies)
         if stage is None:
             return False
         n = h.nbytes
         for start in range(0, n, stage.size):
             piece = stage[:min(stage.size, n - start)]
             self._read_into(memoryview(piece), offset + start)
-            if not self._pages.copy_in(dst + start, piece):
+            if not self._copies.copy_in(dst + start, piece):
                 return False
         return True
 
-    def _stage(self, pages: _Pages) -> np.ndarray | None:
+    def _stage(self, copies: _DeviceCopies) -> np.ndarray | None:
         """The I/O thread's page-locked buffer (None if the driver refused one)."""
         if self._staging is None:
-            self._staging = pages.pinned(_PIECES or 8 << 20)
+            self._staging = copies.pinned(_PIECE)
         return self._staging
 
     def pop(self) -> mx.array:
@@ -254,54 +248,29 @@ class Boundaries:
         return _to_mx(self._read(entry).result(), shape, dtype)
 
     def _read(self, entry) -> Future:
-        """The entry's read, queued on the I/O thread. Where a discrete GPU's copies
-        are on, its array is made here first, by a kernel (so its pages are on the
-        device), to be filled there by copies; its bytes' address goes along."""
+        """The entry's read, queued on the I/O thread. On a discrete GPU its array
+        is made here first, by a kernel (so its pages are on the device), and filled
+        there by copies."""
         _, shape, dtype = entry
-        pages, into = self._pages, None
-        if pages is not None and _COPIES and not pages.off and 0 not in shape:
+        into = None
+        if self._copies is not None and not self._copies.off and 0 not in shape:
             h = mx.zeros(shape, dtype)
             raw = np.array(h.view(_UNSIGNED[dtype.size][0]), copy=False)
             if raw.flags.c_contiguous and raw.nbytes == h.nbytes:   # a buffer of its own
                 into = (h, raw.ctypes.data)
         return self._io.submit(self._load, entry, into)
 
-    def _load(self, entry, into=None) -> np.ndarray | mx.array | list[mx.array]:
-        """An entry's bytes, read into host memory (on the I/O thread); on a
-        discrete GPU, already in MLX arrays with their pages on the device."""
-        offset, shape, dtype = entry
-        _, np_u = _UNSIGNED[dtype.size]
+    def _load(self, entry, into=None) -> np.ndarray | mx.array:
+        """An entry's bytes (on the I/O thread): in `into`'s array where there is
+        one, else in host memory."""
         if into is not None:
-            if self._read_staged(offset, *into):
+            if self._read_staged(entry[0], *into):
                 return into[0]
-            del into   # the driver refused: read it again below
-        if self._pages is None or not _PIECES or 0 in shape:
-            u = np.empty(int(np.prod(shape)), dtype=np_u)
-            self._read_into(memoryview(u).cast("B"), offset)
-            if self._pages is None or u.size == 0:
-                return u
-            # Made here, off the step's thread: MLX copies the bytes into its
-            # unified memory, and the driver moves those pages to the device in one
-            # transfer (left alone, the backward's first kernel would fault them over
-            # a page at a time while the device waits).
-            h = mx.array(u)
-            del u
-            self._pages.to_device(np.array(h, copy=False))
-            return h
-        # MLX copies numpy bytes in while holding the GIL: in pieces, the step's
-        # thread gets it back between them instead of stalling for a whole boundary.
-        # Each piece goes through one small buffer whose pages stay warm.
-        if self._piece is None or self._piece.size != _PIECES:
-            self._piece = np.empty(_PIECES, np.uint8)
-        n = int(np.prod(shape)) * dtype.size
-        pieces = []
-        for start in range(0, n, _PIECES):
-            buf = self._piece[:min(_PIECES, n - start)]
-            self._read_into(memoryview(buf), offset + start)
-            piece = mx.array(buf)
-            self._pages.to_device(np.array(piece, copy=False))
-            pieces.append(piece)
-        return pieces
+            del into   # the driver refused: read it into host memory instead
+        offset, shape, dtype = entry
+        u = np.empty(int(np.prod(shape)), dtype=_UNSIGNED[dtype.size][1])
+        self._read_into(memoryview(u).cast("B"), offset)
+        return u
 
     def _read_into(self, view: memoryview, offset: int) -> None:
         fd = self._file.fileno()
@@ -327,7 +296,7 @@ class Boundaries:
             self._io.shutdown(wait=True, cancel_futures=True)
             self._io = None
         if self._staging is not None:
-            self._pages.unpin(self._staging)
+            self._copies.unpin(self._staging)
             self._staging = None
         self._writing = self._ahead = None
         self._arrays.clear()
@@ -356,76 +325,50 @@ def _write_all(fd: int, view: memoryview) -> None:
         done += os.write(fd, view[done:])
 
 
-def _to_mx(u: np.ndarray | mx.array | list, shape, dtype) -> mx.array:
-    """Bytes read from the file as the MLX array they were (a copy into MLX memory)."""
-    if isinstance(u, list):   # pieces of bytes
-        u = mx.concatenate(u)
+def _to_mx(u: np.ndarray | mx.array, shape, dtype) -> mx.array:
+    """A read-back as the MLX array it was: as it is if it was read into one, else
+    bytes in host memory copied into MLX memory."""
+    if isinstance(u, mx.array):
+        return u
     if u.size == 0:
         return mx.zeros(shape, dtype)
-    h = (u if isinstance(u, mx.array) else mx.array(u)).view(dtype).reshape(shape)
+    h = mx.array(u).view(dtype).reshape(shape)
     mx.eval(h)
     return h
 
 
-# ---------------------------------------------------------------- a discrete GPU's pages
+# ---------------------------------------------------------------- a discrete GPU's copies
 
-class _Pages:
-    """Bulk moves of MLX's unified memory between host and device on CUDA.
+class _DeviceCopies:
+    """Copies between MLX's memory on a CUDA device and a page-locked host buffer.
 
-    There MLX keeps what the CPU reads in CUDA managed memory, whose pages move on
-    demand, a fault at a time: reading a boundary that the device wrote faults
-    every page to the host, and the backward's first kernel on a boundary read from
-    disk faults every page back while the device stalls. The driver's prefetch
-    moves the same pages in one DMA transfer instead, on a stream of its own,
-    beside the compute. It changes where bytes live, never what they are: so a
-    move the driver refuses (memory that is not managed, say) turns the moves off
-    for the process, with one warning, and the pages move by faults as before.
-    What each move buys, measured: bench/README.md, "Offload on a discrete GPU"."""
-
-    HOST, DEVICE = 2, 1   # CUmemLocationType
-
-    class _Location(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+    There MLX keeps arrays in CUDA managed memory, whose pages move on demand, a
+    fault at a time. Read from the host, a boundary the device wrote would fault
+    every page over, and the next kernel MLX's buffer cache hands that memory to
+    would fault them all back while the device waits; a boundary read back through
+    host memory would likewise reach the device a fault at a time. The copy engine
+    instead copies the bytes where they are, on a stream of its own, beside the
+    compute, in pieces through one small page-locked buffer: a boundary's pages
+    never leave the device. What that bought, measured: bench/README.md, "Copies
+    instead of moves". A call the driver refuses turns the copies off for the
+    process, with one warning; that boundary and the rest go through host memory,
+    their pages moving by faults, the same bytes either way."""
 
     def __init__(self, lib: ctypes.CDLL, device: int = 0):
-        self._lib, self._device = lib, device
+        self._lib = lib
         self._local = threading.local()
         self._check(lib.cuInit(0), "cuInit")
         ctx = ctypes.c_void_p()
         self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device),
                     "cuDevicePrimaryCtxRetain")
-        self._ctx = ctx
-        # CUDA 12.2+ takes a location; older drivers a device (-1: the host)
-        self._v2 = hasattr(lib, "cuMemPrefetchAsync_v2")
-        if self._v2:
-            lib.cuMemPrefetchAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_size_t,
-                                                  self._Location, ctypes.c_uint, ctypes.c_void_p]
-        else:
-            lib.cuMemPrefetchAsync.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int,
-                                               ctypes.c_void_p]
+        self._ctx = ctx   # MLX's own: the runtime API computes in the primary context
         lib.cuMemAllocHost_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         lib.cuMemFreeHost.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
                                              ctypes.c_void_p]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
                                              ctypes.c_void_p]
-        self.off: str | None = None   # why the moves stopped, once one failed
-
-    def to_host(self, a: np.ndarray) -> None:
-        self._move(a, self.HOST)
-
-    def to_device(self, a: np.ndarray) -> None:
-        self._move(a, self.DEVICE)
-
-    def _move(self, a: np.ndarray, where: int) -> None:
-        if a.nbytes == 0 or self.off:
-            return
-        if self._v2:
-            loc = self._Location(where, self._device if where == self.DEVICE else 0)
-            self._on_stream("cuMemPrefetchAsync_v2", a.ctypes.data, a.nbytes, loc, 0)
-        else:
-            self._on_stream("cuMemPrefetchAsync", a.ctypes.data, a.nbytes,
-                            self._device if where == self.DEVICE else -1)
+        self.off: str | None = None   # why the copies stopped, once a call failed
 
     def pinned(self, n: int) -> np.ndarray | None:
         """n bytes of page-locked host memory, which the copy engine reads and
@@ -472,7 +415,7 @@ class _Pages:
             return True
         except OSError as e:
             self.off = str(e)
-            warnings.warn(f"offload: boundary pages move by faults from here on ({e})",
+            warnings.warn(f"offload: boundaries go through host memory from here on ({e})",
                           RuntimeWarning, stacklevel=3)
             return False
 
@@ -493,24 +436,21 @@ class _Pages:
             raise OSError(f"CUDA driver: {what} failed (error {err})")
 
 
-# How a discrete GPU's boundaries travel (bench.offload turns each off to measure
-# what it buys): written boundaries' pages moved back to the device once written,
-# and read-backs made into MLX arrays in pieces of this many bytes (0: whole).
-_SETTLE = True
-_PIECES = 8 << 20
-_COPIES = True
+# Bytes per copy: the page-locked buffer's size. Small enough to pin at once, large
+# enough that each call's fixed cost is lost in its transfer.
+_PIECE = 8 << 20
 
-_PAGES: list = []   # the process's one _Pages, or None where there is no discrete GPU
+_DEVICE_COPIES: list = []   # the process's one _DeviceCopies, or None where no discrete GPU
 
 
-def _pages() -> _Pages | None:
-    """The bulk mover where MLX computes on CUDA with managed memory; else None."""
-    if not _PAGES:
-        pages = None
+def _device_copies() -> _DeviceCopies | None:
+    """The copier where MLX computes on CUDA; else None."""
+    if not _DEVICE_COPIES:
+        copies = None
         if mx.default_device() == mx.gpu and mx.cuda.is_available():
             try:
-                pages = _Pages(ctypes.CDLL("libcuda.so.1"))
-            except OSError:
-                pages = None   # no driver library: pages move by faults, as before
-        _PAGES.append(pages)
-    return _PAGES[0]
+                copies = _DeviceCopies(ctypes.CDLL("libcuda.so.1"))
+            except (OSError, AttributeError):   # no driver library, or one too old
+                copies = None   # boundaries go through host memory
+        _DEVICE_COPIES.append(copies)
+    return _DEVICE_COPIES[0]

@@ -257,8 +257,8 @@ def offload_seconds(info: ModelInfo, *, seq_len: int, segment_size: int,
     """What memory.offload disk adds to a step, at most: every boundary written once
     and read back once, at DISK_GBPS. The engine overlaps that traffic with the
     compute, so the cost measured is lower: at 32K on the 8B shape this gives
-    8.6 s (+38% of a 22.6 s step on an H100) where +4.1 s (+18%) was measured
-    (bench/README.md)."""
+    8.6 s (+38% of a 22 s step on an H100) where +0.1 s and +0.9 s (+0.5%, +4.2%)
+    were measured (bench/README.md)."""
     streams = 2 if method in ("orpo", "dpo") else 1
     boundaries = streams * math.ceil(info.n_layers / max(segment_size, 1))
     return 2 * boundaries * seq_len * info.hidden * info.act_bytes / (DISK_GBPS * GB)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import tempfile
 import subprocess
 import sys
 import textwrap
@@ -168,45 +167,7 @@ def test_reads_ahead_and_writes_beside_the_caller(tmp_path):
         assert len(b) == 0 and os.fstat(b._file.fileno()).st_size == b.bytes_on_disk == 0
 
 
-class RecordedPages(offload._Pages):
-    """The bulk mover's calls, recorded: no driver here (the moves themselves are
-    CUDA's, measured by bench.offload on a GPU)."""
-
-    def __init__(self):
-        self.moves = []
-
-    def _move(self, a, where):
-        self.moves.append(("host" if where == self.HOST else "device", a.nbytes,
-                           threading.current_thread().name))
-
-
-@pytest.mark.parametrize("piece", [8 << 20, 64])
-def test_a_discrete_gpus_pages_move_on_the_io_thread_and_change_no_bit(tmp_path, monkeypatch,
-                                                                       piece):
-    monkeypatch.setattr(offload, "_PIECES", piece)
-    monkeypatch.setattr(offload, "_COPIES", False)
-    arrays = stack_of_entries()
-    pages = RecordedPages()
-    with Boundaries(tmp_path / "scratch", pages=pages) as b:
-        for h in arrays:
-            b.append(h)
-        b.settle()
-        # each boundary's pages to the host before its write, and back to the device
-        # once written (MLX's cache hands that buffer to a kernel next), off the caller
-        assert [m[:2] for m in pages.moves] == [
-            move for h in arrays for move in (("host", h.nbytes), ("device", h.nbytes))]
-        pages.moves.clear()
-        for h in reversed(arrays):
-            same_bits(b.pop(), h)
-        b.settle()
-    # each read back to the device as MLX arrays of at most `piece` bytes are made
-    moved = [m[1] for m in pages.moves]
-    assert {m[0] for m in pages.moves} == {"device"} and max(moved) <= piece
-    assert sum(moved) == sum(h.nbytes for h in arrays)
-    assert all(m[2].startswith("boundaries-io") for m in pages.moves)
-
-
-class HostCopies(offload._Pages):
+class HostCopies(offload._DeviceCopies):
     """A discrete GPU's copies made by memmove (on the CPU, MLX's memory is host
     memory, so device addresses are host ones), each recorded with its thread.
     After `refuse_after` copies in, the driver refuses."""
@@ -237,20 +198,17 @@ class HostCopies(offload._Pages):
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
         return True
 
-    def _move(self, a, where):
-        self._note("move", a.nbytes)
-
 
 @pytest.mark.parametrize("piece", [8 << 20, 64])
 def test_a_discrete_gpus_boundaries_are_copied_through_one_pinned_buffer(tmp_path, monkeypatch,
                                                                         piece):
-    """No page moves: each boundary goes out and comes back as copies of at most
+    """Each boundary goes out and comes back as copies of at most
     `piece` bytes through one page-locked buffer, on the I/O thread, bit-exact; the
     read-back lands in an array of the boundary's own shape and dtype."""
-    monkeypatch.setattr(offload, "_PIECES", piece)
+    monkeypatch.setattr(offload, "_PIECE", piece)
     arrays = stack_of_entries()
     copies = HostCopies()
-    with Boundaries(tmp_path / "scratch", pages=copies) as b:
+    with Boundaries(tmp_path / "scratch", copies=copies) as b:
         for h in arrays:
             b.append(h)
         b.settle()
@@ -259,49 +217,45 @@ def test_a_discrete_gpus_boundaries_are_copied_through_one_pinned_buffer(tmp_pat
         b.settle()
     calls = copies.calls
     assert [c[:2] for c in calls if c[0] in ("pin", "unpin")] == [("pin", piece), ("unpin", piece)]
-    assert not [c for c in calls if c[0] == "move"]
     for way in ("out", "in"):
         sizes = [c[1] for c in calls if c[0] == way]
         assert max(sizes) <= piece and sum(sizes) == sum(h.nbytes for h in arrays)
     assert all(c[2].startswith("boundaries-io") for c in calls if c[0] != "unpin")
 
 
-def test_a_copy_the_driver_refuses_midway_reads_the_boundary_again():
-    """A refused copy leaves a read-back half filled: that entry is read again the
+def test_a_copy_the_driver_refuses_midway_reads_the_boundary_again(tmp_path, monkeypatch):
+    """A refused copy leaves a read-back part filled: that entry is read again the
     way the CPU reads it, and every later one too, bit-exact."""
+    monkeypatch.setattr(offload, "_PIECE", 64)   # the last entry (462 bytes) in 8 pieces
     arrays = stack_of_entries()
-    copies = HostCopies(refuse_after=1)
-    with tempfile.TemporaryDirectory() as folder:
-        with Boundaries(folder, pages=copies) as b:
-            for h in arrays:
-                b.append(h)
-            for h in reversed(arrays):
-                same_bits(b.pop(), h)
-    assert copies.off == "refused" and [c[0] for c in copies.calls].count("in") == 1
+    copies = HostCopies(refuse_after=3)
+    with Boundaries(tmp_path / "scratch", copies=copies) as b:
+        for h in arrays:
+            b.append(h)
+        for h in reversed(arrays):
+            same_bits(b.pop(), h)
+    assert copies.off == "refused" and [c[0] for c in copies.calls].count("in") == 3
 
 
-@pytest.mark.parametrize("copies", [True, False])
-def test_a_move_the_driver_refuses_turns_the_moves_off_not_the_step(tmp_path, monkeypatch,
-                                                                    copies):
-    """Where the pages are is a hint: a refused move or copy warns once, later
-    boundaries are not moved, and every entry still comes back bit-exact."""
-    monkeypatch.setattr(offload, "_COPIES", copies)
-    class Refusing(offload._Pages):
+def test_a_driver_that_refuses_turns_the_copies_off_not_the_step(tmp_path):
+    """A refused call warns once, later boundaries go through host memory, and
+    every entry still comes back bit-exact."""
+    class Refusing(offload._DeviceCopies):
         def __init__(self):   # no driver here: the first call into it fails
-            self.off, self._device, self._v2 = None, 0, True
+            self.off = None
 
         def _stream(self):
             raise OSError("CUDA driver: cuCtxSetCurrent failed (error 201)")
 
-    pages = Refusing()
+    copies = Refusing()
     arrays = stack_of_entries()
-    with pytest.warns(RuntimeWarning, match="move by faults"):
-        with Boundaries(tmp_path / "scratch", pages=pages) as b:
+    with pytest.warns(RuntimeWarning, match="through host memory"):
+        with Boundaries(tmp_path / "scratch", copies=copies) as b:
             for h in arrays:
                 b.append(h)
             for h in reversed(arrays):
                 same_bits(b.pop(), h)
-    assert "error 201" in pages.off
+    assert "error 201" in copies.off
 
 
 def test_the_caller_s_time_and_waits_are_counted(folder):
@@ -378,7 +332,7 @@ def test_bench_offload_runs_every_variant_and_the_step_reports_its_waits(tmp_pat
     assert all(r["append_s"] == r["pop_s"] == 0 for r in rows if r["variant"] == "memory")
     assert os.listdir(tmp_path / "scratch") == []   # every step's file gone
     # the switches the variants flip are back as they were
-    assert (offload._SETTLE, offload._PIECES, offload._COPIES) == (True, 8 << 20, True)
+    assert offload._DEVICE_COPIES == [None]   # the engine's copier as it was (none here)
     with pytest.raises(SystemExit) as e:
         bench_offload.main(["--variants", "memory,fast"])
     assert e.value.code == 2 and "unknown fast" in capsys.readouterr().err
