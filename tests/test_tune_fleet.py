@@ -22,6 +22,11 @@ from .conftest import letter_model, probe_fresh, segctl
 
 PORT = 6473
 LENGTHS, SIZES = (128, 256, 384), (1, 2, 4)
+# `make test` runs the lab beside this module on two cores, and three engines probe
+# here at once: a raylet starved past Ray's 5 missed health checks (about a minute)
+# was once marked dead, and `tune` lost its node. A fleet's own cluster keeps Ray's
+# default; this one waits 20 checks before it calls a node lost.
+PATIENT_RAY = {"RAY_health_check_failure_threshold": 20}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,7 @@ def fleet(tmp_path_factory):
         ],
     }
     (root / "cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
-    up = segctl("cluster", "up", root / "cluster.yaml", timeout=180)
+    up = segctl("cluster", "up", root / "cluster.yaml", timeout=180, env=PATIENT_RAY)
     assert up.returncode == 0, up.stderr
     info = json.loads((root / "stores" / "fleet.json").read_text())
     yield {"root": root, "cluster": root / "cluster.yaml", "stores": root / "stores",
