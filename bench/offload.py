@@ -98,7 +98,8 @@ def main(argv=None) -> None:
             labels = [label for label, _ in clock]
             h = labels.index("head")
             print(json.dumps({
-                "bench": "offload", "step": n, "variant": f"first step (builds, {variant})" if n == 0 else variant,
+                "bench": "offload", "step": n,
+                "variant": f"first step (builds, {variant})" if n == 0 else variant,
                 "seq": args.seq, "arch": args.arch, "layers": args.layers, "dim": args.dim,
                 "dtype": args.dtype, "quantize": args.quantize, "copies_here": copies is not None,
                 "step_s": round(step_s, 3), "fwd_s": round(clock[h - 1][1] - t0, 3),

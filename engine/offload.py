@@ -376,7 +376,7 @@ class _DeviceCopies:
         ptr = ctypes.c_void_p()
 
         def alloc():
-            self._stream()   # the context current on this thread
+            self._bind()
             return self._lib.cuMemAllocHost_v2(ctypes.byref(ptr), n)
         if self._guard("cuMemAllocHost", alloc):
             return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr.value))
@@ -384,7 +384,7 @@ class _DeviceCopies:
 
     def unpin(self, a: np.ndarray) -> None:
         try:
-            self._stream()
+            self._bind()
             self._lib.cuMemFreeHost(ctypes.c_void_p(a.ctypes.data))
         except OSError:
             pass   # no context left: the driver took the memory back with it
@@ -419,11 +419,17 @@ class _DeviceCopies:
                           RuntimeWarning, stacklevel=3)
             return False
 
+    def _bind(self) -> None:
+        """The primary context made current on this thread (once per thread)."""
+        if not getattr(self._local, "bound", False):
+            self._check(self._lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            self._local.bound = True
+
     def _stream(self) -> ctypes.c_void_p:
-        """This thread's stream, the primary context made current on it first."""
+        """This thread's stream, made on first use."""
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            self._check(self._lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            self._bind()
             stream = ctypes.c_void_p()
             self._check(self._lib.cuStreamCreate(ctypes.byref(stream), 1),   # non-blocking
                         "cuStreamCreate")

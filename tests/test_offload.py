@@ -244,7 +244,7 @@ def test_a_driver_that_refuses_turns_the_copies_off_not_the_step(tmp_path):
         def __init__(self):   # no driver here: the first call into it fails
             self.off = None
 
-        def _stream(self):
+        def _bind(self):
             raise OSError("CUDA driver: cuCtxSetCurrent failed (error 201)")
 
     copies = Refusing()
@@ -314,7 +314,7 @@ def test_full_disk_raises_offload_error(tmp_path):
 
 def test_bench_offload_runs_every_variant_and_the_step_reports_its_waits(tmp_path, capsys):
     """bench.offload at CPU size: a row per step and variant, each the same step
-    (on the CPU the moves do not run: the loss and gradients match bit for bit),
+    (on the CPU there is nothing to copy: the loss and gradients match bit for bit),
     and the disk variants carry the waits the step reported."""
     from bench import offload as bench_offload
 
@@ -331,8 +331,8 @@ def test_bench_offload_runs_every_variant_and_the_step_reports_its_waits(tmp_pat
                and r["append_s"] >= r["write_wait_s"] for r in disk)
     assert all(r["append_s"] == r["pop_s"] == 0 for r in rows if r["variant"] == "memory")
     assert os.listdir(tmp_path / "scratch") == []   # every step's file gone
-    # the switches the variants flip are back as they were
-    assert offload._DEVICE_COPIES == [None]   # the engine's copier as it was (none here)
+    # the copier the variants switch is back as it was (none here)
+    assert offload._DEVICE_COPIES == [None]
     with pytest.raises(SystemExit) as e:
         bench_offload.main(["--variants", "memory,fast"])
     assert e.value.code == 2 and "unknown fast" in capsys.readouterr().err
