@@ -18,6 +18,10 @@ squared norms and its loss from the first step's (0 on the CPU; on CUDA the
 backward's reductions do not repeat bit for bit, ~1e-3). `write_wait_s` /
 `read_wait_s`: how long the step waited for the disk; `append_s` / `pop_s`: how
 long its thread spent handing boundaries over, those waits included.
+
+--check N first round-trips N boundaries of the step's size through the engine's
+disk path and prints one row: whether every bit came back (`equal`), and whether
+the copies stayed on (`copies_off`: the driver's refusal, where one came).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def main(argv=None) -> None:
     p.add_argument("--dir", default=None, help="the scratch folder (default: a temporary one)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated, of: " + ", ".join(VARIANTS))
+    p.add_argument("--check", type=int, default=0, metavar="N",
+                   help="first round-trip N random boundaries through the disk and compare bits")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -76,6 +82,8 @@ def main(argv=None) -> None:
     copies = offload_mod._device_copies()
     first = None
     try:
+        if args.check and not check_round_trip(args, scratch, copies):
+            sys.exit("offload check: a boundary came back with other bits")
         # a first step (kernel builds), then the variants in turn, `rounds` times
         for n, variant in enumerate(variants[-1:] + variants * args.rounds):
             offload_mod._DEVICE_COPIES[:] = [copies if VARIANTS[variant] else None]
@@ -112,8 +120,38 @@ def main(argv=None) -> None:
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
     finally:   # the engine's copier as it was
         offload_mod._DEVICE_COPIES[:] = [copies]
-    if not args.dir:
-        os.rmdir(scratch)
+        if not args.dir:
+            os.rmdir(scratch)
+
+
+def check_round_trip(args, scratch: str, copies) -> bool:
+    """N random [1, seq, dim] boundaries appended, then popped: one row saying
+    whether every bit came back (returned), and how long the writes and reads took."""
+    dtype = getattr(mx, args.dtype)
+    unsigned = {2: mx.uint16, 4: mx.uint32}[dtype.size]
+    sent = [mx.random.normal((1, args.seq, args.dim), key=mx.random.key(i)).astype(dtype)
+            for i in range(args.check)]
+    mx.eval(sent)
+    with offload_mod.Boundaries(scratch, copies=copies) as stack:
+        t0 = time.perf_counter()
+        for h in sent:
+            stack.append(h)
+        stack.settle()
+        t1 = time.perf_counter()
+        back = [stack.pop() for _ in sent][::-1]
+        mx.eval(back)
+        t2 = time.perf_counter()
+    equal = all(mx.array_equal(a.view(unsigned), b.view(unsigned)).item()
+                for a, b in zip(sent, back))
+    print(json.dumps({
+        "bench": "offload-check", "boundaries": args.check, "seq": args.seq, "dim": args.dim,
+        "dtype": args.dtype, "gb": round(sum(h.nbytes for h in sent) / 1e9, 4),
+        "equal": equal, "copies_here": copies is not None,
+        "copies_off": copies.off if copies is not None else None,
+        "write_s": round(t1 - t0, 4), "read_s": round(t2 - t1, 4),
+        "device": str(mx.default_device()), "device_name": _device_name(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+    return equal
 
 
 if __name__ == "__main__":

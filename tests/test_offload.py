@@ -336,3 +336,42 @@ def test_bench_offload_runs_every_variant_and_the_step_reports_its_waits(tmp_pat
     with pytest.raises(SystemExit) as e:
         bench_offload.main(["--variants", "memory,fast"])
     assert e.value.code == 2 and "unknown fast" in capsys.readouterr().err
+
+
+class FlippingCopies(HostCopies):
+    """Copies that bring one bit back wrong, once."""
+
+    def copy_in(self, dst, src):
+        flipped = not any(c[0] == "in" for c in self.calls)
+        ok = super().copy_in(dst, src)
+        if flipped:
+            ctypes.memset(dst, src[0] ^ 1, 1)
+        return ok
+
+
+@pytest.mark.parametrize("copier, equal", [(None, True), (HostCopies, True),
+                                           (FlippingCopies, False)])
+def test_bench_offloads_check_compares_every_bit_that_comes_back(tmp_path, capsys, monkeypatch,
+                                                                 copier, equal):
+    """--check round-trips boundaries through the engine's disk path and its
+    copier, and a single wrong bit fails the run before any step."""
+    from bench import offload as bench_offload
+
+    copies = copier() if copier else None
+    monkeypatch.setattr(offload, "_DEVICE_COPIES", [copies])
+    argv = ["--seq", "64", "--layers", "1", "--dim", "32", "--vocab", "64", "--dtype",
+            "bfloat16", "--no-quantize", "--rounds", "0", "--variants", "memory", "--check", "3"]
+    if equal:
+        bench_offload.main(argv)
+    else:
+        with pytest.raises(SystemExit) as e:
+            bench_offload.main(argv)
+        assert "other bits" in str(e.value.code)
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    check = out[0]
+    assert check["bench"] == "offload-check" and check["equal"] is equal
+    assert check["boundaries"] == 3 and check["gb"] == round(3 * 64 * 32 * 2 / 1e9, 4)
+    assert check["copies_here"] is (copier is not None) and check["copies_off"] is None
+    assert len(out) == (2 if equal else 1)   # the first step ran only after a clean check
+    if copier:
+        assert [c[0] for c in copies.calls].count("in") == 3   # one piece per boundary
