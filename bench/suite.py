@@ -8,14 +8,21 @@ grad_checkpoint patches a class for the whole process), side by side in one run.
     python -m bench.suite cpu-long  > bench/results/cpu-long.jsonl     # CPU scale (see LLAMA_CPU)
     python -m bench.suite h200-long > bench/results/h200-long.jsonl    # Llama-3.1-8B QLoRA to 128K
     python -m bench.suite mac 8192  > bench/results/mac.jsonl          # Apple Silicon, >= 32 GB
+    python -m bench.suite table bench/results/mac.jsonl               # the table again
 
 The long plans (cpu-long, h200-long, mac) pass --mlp-chunk and --offload, which
 bench.engine hands to loss_and_grads only when set: on an engine without them
 those rows come back with "error", the others run.
 
 Each row is printed as it lands; a configuration that fails prints a row with
-"error" instead of stopping the suite. `--baseline DIR` (a checkout of another
-commit, e.g. `git archive HEAD | tar -x -C DIR`) runs every configuration again
+"error" instead of stopping the suite. When the plan is done, a table of its rows
+goes to stderr (stdout stays JSON): per model shape and length, each
+configuration's peak, step time and tokens per GB, with its peak and step as a
+ratio of mlx-lm grad_checkpoint's in the same run where the plan has that row.
+`python -m bench.suite table ROWS.jsonl` prints the same table from saved rows.
+
+`--baseline DIR` (a checkout of another commit, e.g. `git archive HEAD | tar -x
+-C DIR`) runs every configuration again
 right after this tree's, with DIR's own bench.engine and engine; each row is
 tagged `code`: "this" or "baseline". Compare only configurations that both trees'
 bench_model build alike (gemma3_text is new since ae9b9b3).
@@ -23,6 +30,7 @@ bench_model build alike (gemma3_text is new since ae9b9b3).
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -192,7 +200,8 @@ def argv_of(cfg: dict) -> list[str]:
     return out
 
 
-def main(plan: str, seqs: list[int] | None = None, baseline: str | None = None):
+def main(plan: str, seqs: list[int] | None = None, baseline: str | None = None) -> list[dict]:
+    rows = []
     for cfg in PLANS[plan]:
         if seqs and cfg["seq"] not in seqs:
             continue
@@ -211,14 +220,134 @@ def main(plan: str, seqs: list[int] | None = None, baseline: str | None = None):
                 row["code"] = code
             row["wall_s"] = round(time.time() - tic, 1)
             print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- the table
+
+_SHAPE_KEYS = ("arch", "layers", "dim", "dtype", "seq")
+
+
+def _shape(row: dict) -> str:
+    quant = f", {row['quantize']}-bit base" if row.get("quantize") else ""
+    return (f"{row['arch']} {row['layers']} x {row['dim']}{quant}, {row['dtype']}, "
+            f"{row['seq']} tokens")
+
+
+def _label(row: dict) -> str:
+    """A configuration in words: who ran it and with what."""
+    if row.get("impl", "segctl") != "segctl":
+        mode = {"checkpoint": "grad_checkpoint"}.get(row["mode"], row["mode"])
+        words = [f"{row['impl']} {mode}"]
+    elif row.get("mode", "segmented") == "segmented":
+        words = [f"ours, segment {row.get('segment_size') or 1}"]
+        if row.get("attn_block"):
+            words.append(f"attn_block {row['attn_block']}")
+        words.append(f"mlp_chunk {row['mlp_chunk']}" if row.get("mlp_chunk") else "MLP whole")
+        if row.get("offload"):
+            words.append("offload disk")
+    else:
+        words = [f"ours, {row['mode']}"]
+    if row.get("method", "sft") != "sft":
+        words.insert(0, row["method"])
+    if row.get("prefix_shared"):
+        words.append("prefix-shared")
+    code = f" ({row['code']})" if row.get("code") else ""
+    return ", ".join(words) + code
+
+
+def _num(x) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) else ""
+
+
+def _ratio(mine, base) -> str:
+    return f"{mine / base:.2f}x" if mine and base else ""
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as Markdown tables, one per model shape and length, in the order
+    they came; ratios against that group's mlx-lm grad_checkpoint row (of the
+    same code, with --baseline)."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(_shape(row), []).append(row)
+    out = []
+    for shape, group in groups.items():
+        out += [f"{shape}:", "",
+                "| configuration | peak GB | step s | tokens/GB | peak vs mlx-lm "
+                "| step vs mlx-lm |", "|---|---|---|---|---|---|"]
+        for row in group:
+            base = next((b for b in group if b.get("impl") == "mlx-lm"
+                         and b.get("mode") == "checkpoint" and "error" not in b
+                         and b.get("code") == row.get("code")), None)
+            if "error" in row:
+                out.append(f"| {_label(row)} | failed: {row['error']} | | | | |")
+                continue
+            peak, step = row.get("peak_gb"), row.get("step_s")
+            out.append(" | ".join([
+                f"| {_label(row)}", _num(peak), _num(step), str(row.get("tokens_per_gb", "")),
+                _ratio(peak, base and base["peak_gb"]) if base is not row else "1",
+                (_ratio(step, base and base["step_s"]) if base is not row else "1") + " |"]))
+        out.append("")
+    return "\n".join(out)
+
+
+def _read_rows(path: str) -> list[dict]:
+    """A JSON-lines file of suite rows; a line that is not one is a one-line error."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as e:
+        _fail(f"bench.suite table: {path}: {e.strerror}")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            _fail(f"bench.suite table: {path}, line {n}: not JSON ({e})")
+        missing = [k for k in _SHAPE_KEYS if not isinstance(row, dict) or k not in row]
+        if missing:
+            _fail(f"bench.suite table: {path}, line {n}: not a bench.engine row "
+                  f"(no {', '.join(missing)})")
+        rows.append(row)
+    return rows
+
+
+def _fail(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def cli(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.suite",
+        description="Run a plan of bench.engine configurations, a process each: JSON rows on "
+                    "stdout, then a table of them on stderr. `table FILE` prints the table "
+                    "of saved rows.")
+    p.add_argument("plan", nargs="?", default="cpu",
+                   help=f"one of: {', '.join(PLANS)}; or `table`")
+    p.add_argument("seqs", nargs="?", default=None,
+                   help="only these lengths, comma-separated (for `table`: the rows' file)")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="a checkout of another commit: each configuration runs there too")
+    args = p.parse_args(argv)
+    if args.plan == "table":
+        if not args.seqs:
+            p.error("table: which file? python -m bench.suite table ROWS.jsonl")
+        print(table(_read_rows(args.seqs)))
+        return
+    if args.plan not in PLANS:
+        p.error(f"unknown plan {args.plan!r} (one of: {', '.join(PLANS)})")
+    try:
+        seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else None
+    except ValueError:
+        p.error(f"seqs: {args.seqs!r} is not a comma-separated list of lengths")
+    rows = main(args.plan, seqs, args.baseline)
+    if rows:
+        print(table(rows), file=sys.stderr)
 
 
 if __name__ == "__main__":
-    # python -m bench.suite PLAN [SEQ,SEQ...] [--baseline DIR]
-    argv = sys.argv[1:]
-    base = None
-    if "--baseline" in argv:
-        k = argv.index("--baseline")
-        base, argv = argv[k + 1], argv[:k] + argv[k + 2:]
-    main(argv[0] if argv else "cpu", [int(s) for s in argv[1].split(",")] if len(argv) > 1 else None,
-         base)
+    cli()

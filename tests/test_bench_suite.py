@@ -4,9 +4,7 @@ tiny size, each row through its own process as on a Mac."""
 
 from __future__ import annotations
 
-import io
 import json
-from contextlib import redirect_stdout
 
 import pytest
 
@@ -26,7 +24,9 @@ def test_every_configuration_of_every_plan_parses(plan):
         assert args.seq == cfg["seq"] and args.impl == cfg.get("impl", "segctl"), cfg
 
 
-def test_the_mac_plan_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
+def test_the_mac_plan_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, capsys):
+    """Every row through its own process, as JSON on stdout, then the table on
+    stderr: ours beside mlx-lm's grad_checkpoint, as ratios of its peak and step."""
     tiny = []
     for cfg in suite.PLANS["mac"]:
         cfg = dict(cfg, **TINY)
@@ -37,13 +37,57 @@ def test_the_mac_plan_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch):
             cfg["offload"] = str(tmp_path / "offload")
         tiny.append(cfg)
     monkeypatch.setitem(suite.PLANS, "mac-tiny", tiny)
-    out = io.StringIO()
-    with redirect_stdout(out):
-        suite.main("mac-tiny")
-    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    suite.cli(["mac-tiny"])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == len(suite.PLANS["mac"])
     assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
     assert {r["impl"] for r in rows} == {"mlx-lm", "segctl"}
     ours = [r for r in rows if r["impl"] == "segctl"]
     assert all(r["peak_gb"] > 0 and r["phases"] for r in ours)
     assert any(r["offload"] for r in ours) and any(r["mlp_chunk"] for r in ours)
+
+    # the table: one group per shape (both 128-token here: arch tells them apart)
+    assert err.count("| configuration | peak GB |") == 2
+    assert "llama 2 x 128, 4-bit base, bfloat16, 128 tokens:" in err
+    lines = err.splitlines()
+    base = next(l for l in lines if l.startswith("| mlx-lm grad_checkpoint"))
+    assert base.endswith("| 1 | 1 |")
+    mine = [l for l in lines if l.startswith("| ours, segment 1, attn_block 32")]
+    assert len(mine) == len(ours) and any("offload disk" in l for l in mine)
+    for row in ours:   # each row's ratios against its own shape's mlx-lm row
+        b = next(r for r in rows if r["impl"] == "mlx-lm" and r["arch"] == row["arch"])
+        ratios = f"| {row['peak_gb'] / b['peak_gb']:.2f}x | {row['step_s'] / b['step_s']:.2f}x |"
+        assert any(line.endswith(ratios) for line in mine), (ratios, mine)
+    # the same table again from the saved rows
+    saved = tmp_path / "mac.jsonl"
+    saved.write_text(out)
+    suite.cli(["table", str(saved)])
+    assert capsys.readouterr().out.strip() == err.strip()
+
+
+def test_a_failed_row_shows_in_the_table_and_bad_input_is_one_line(tmp_path, capsys):
+    rows = [dict(arch="llama", layers=2, dim=64, dtype="float32", seq=64, impl="mlx-lm",
+                 mode="checkpoint", peak_gb=2.0, step_s=4.0, tokens_per_gb=32),
+            dict(arch="llama", layers=2, dim=64, dtype="float32", seq=64, impl="segctl",
+                 mode="segmented", segment_size=2, peak_gb=0.5, step_s=5.0, tokens_per_gb=128),
+            dict(arch="llama", layers=2, dim=64, dtype="float32", seq=64, impl="segctl",
+                 mode="segmented", segment_size=1, offload="/tmp/x", error="out of memory")]
+    text = suite.table(rows)
+    assert "| ours, segment 2, MLP whole | 0.50 | 5.00 | 128 | 0.25x | 1.25x |" in text
+    assert "| ours, segment 1, MLP whole, offload disk | failed: out of memory |" in text
+
+    for argv, says in [(["nope"], "unknown plan 'nope'"), (["cpu", "8k"], "seqs: '8k'"),
+                       (["table"], "which file?"),
+                       (["table", str(tmp_path / "none.jsonl")], "none.jsonl: No such file")]:
+        with pytest.raises(SystemExit) as e:
+            suite.cli(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and says in err[-1], (argv, err)
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps({"bench": "offload"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        suite.cli(["table", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == (f"bench.suite table: {bad}, line 3: not a bench.engine "
+                                         "row (no arch, layers, dim, dtype, seq)")
