@@ -126,7 +126,8 @@ def main(argv=None) -> None:
 
 def check_round_trip(args, scratch: str, copies) -> bool:
     """N random [1, seq, dim] boundaries appended, then popped: one row saying
-    whether every bit came back (returned), and how long the writes and reads took."""
+    whether every bit came back, and how long the writes and reads took. True
+    if every bit did."""
     dtype = getattr(mx, args.dtype)
     unsigned = {2: mx.uint16, 4: mx.uint32}[dtype.size]
     sent = [mx.random.normal((1, args.seq, args.dim), key=mx.random.key(i)).astype(dtype)

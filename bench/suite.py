@@ -18,14 +18,15 @@ Each row is printed as it lands; a configuration that fails prints a row with
 "error" instead of stopping the suite. When the plan is done, a table of its rows
 goes to stderr (stdout stays JSON): per model shape and length, each
 configuration's peak, step time and tokens per GB, with its peak and step as a
-ratio of mlx-lm grad_checkpoint's in the same run where the plan has that row.
-`python -m bench.suite table ROWS.jsonl` prints the same table from saved rows.
+ratio of mlx-lm grad_checkpoint's in the same run where the plan has that row
+(mlx-lm-lora's, in the ORPO plans). `python -m bench.suite table ROWS.jsonl`
+prints the same table from saved rows.
 
-`--baseline DIR` (a checkout of another commit, e.g. `git archive HEAD | tar -x
--C DIR`) runs every configuration again
-right after this tree's, with DIR's own bench.engine and engine; each row is
-tagged `code`: "this" or "baseline". Compare only configurations that both trees'
-bench_model build alike (gemma3_text is new since ae9b9b3).
+`--baseline DIR` (a checkout of another commit, e.g. `git archive HEAD | tar -x -C
+DIR`) runs every configuration again right after this tree's, with DIR's own
+bench.engine and engine; each row is tagged `code`: "this" or "baseline".
+Compare only configurations that both trees' bench_model build alike
+(gemma3_text is new since ae9b9b3).
 """
 
 from __future__ import annotations
@@ -267,8 +268,8 @@ def _ratio(mine, base) -> str:
 
 def table(rows: list[dict]) -> str:
     """The rows as Markdown tables, one per model shape and length, in the order
-    they came; ratios against that group's mlx-lm grad_checkpoint row (of the
-    same code, with --baseline)."""
+    they came; ratios against that group's mlx-lm (or mlx-lm-lora) grad_checkpoint
+    row of the same code (this tree's or --baseline's)."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(_shape(row), []).append(row)
@@ -278,7 +279,7 @@ def table(rows: list[dict]) -> str:
                 "| configuration | peak GB | step s | tokens/GB | peak vs mlx-lm "
                 "| step vs mlx-lm |", "|---|---|---|---|---|---|"]
         for row in group:
-            base = next((b for b in group if b.get("impl") == "mlx-lm"
+            base = next((b for b in group if b.get("impl") in ("mlx-lm", "mlx-lm-lora")
                          and b.get("mode") == "checkpoint" and "error" not in b
                          and b.get("code") == row.get("code")), None)
             if "error" in row:
