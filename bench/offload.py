@@ -129,7 +129,7 @@ def check_round_trip(args, scratch: str, copies) -> bool:
     whether every bit came back, and how long the writes and reads took. True
     if every bit did."""
     dtype = getattr(mx, args.dtype)
-    unsigned = {2: mx.uint16, 4: mx.uint32}[dtype.size]
+    unsigned = offload_mod._UNSIGNED[dtype.size][0]
     sent = [mx.random.normal((1, args.seq, args.dim), key=mx.random.key(i)).astype(dtype)
             for i in range(args.check)]
     mx.eval(sent)

@@ -286,10 +286,15 @@ def table(rows: list[dict]) -> str:
                 out.append(f"| {_label(row)} | failed: {row['error']} | | | | |")
                 continue
             peak, step = row.get("peak_gb"), row.get("step_s")
-            out.append(" | ".join([
-                f"| {_label(row)}", _num(peak), _num(step), str(row.get("tokens_per_gb", "")),
-                _ratio(peak, base and base["peak_gb"]) if base is not row else "1",
-                (_ratio(step, base and base["step_s"]) if base is not row else "1") + " |"]))
+            if base is row:
+                ratios = ["1", "1"]
+            elif base is None:
+                ratios = ["", ""]
+            else:
+                ratios = [_ratio(peak, base["peak_gb"]), _ratio(step, base["step_s"])]
+            cells = [_label(row), _num(peak), _num(step), str(row.get("tokens_per_gb") or ""),
+                     *ratios]
+            out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 

@@ -122,8 +122,8 @@ class Boundaries:
         self._end = offset + data.nbytes
         self._entries.append((offset, tuple(h.shape), h.dtype))
         # copied from the device only where data is MLX's own buffer, not a numpy copy
-        copies = self._copies if data is view else None
-        self._writing = self._io.submit(self._write, offset, data, h, copies)
+        staged = self._copies is not None and data is view
+        self._writing = self._io.submit(self._write, offset, data, h, staged)
         self.seconds["append"] += time.perf_counter() - t
 
     def flush(self) -> None:
@@ -153,14 +153,13 @@ class Boundaries:
         finally:
             self.seconds[key] += time.perf_counter() - t
 
-    def _write(self, offset: int, data: np.ndarray, h: mx.array,
-               copies: _DeviceCopies | None) -> None:
+    def _write(self, offset: int, data: np.ndarray, h: mx.array, staged: bool) -> None:
         fd = self._file.fileno()
         try:
             # write() rather than writing into an mmap: a full disk is then an
             # ENOSPC we can report, not a SIGBUS. Scratch data: never fsync'd.
             os.lseek(fd, offset, os.SEEK_SET)
-            if not (copies and self._write_staged(fd, offset, data, copies)):
+            if not (staged and self._write_staged(fd, offset, data)):
                 _write_all(fd, memoryview(data).cast("B"))
         except OSError as e:
             try:  # give back what part of it was written
@@ -177,17 +176,16 @@ class Boundaries:
         finally:
             del data, h
 
-    def _write_staged(self, fd: int, offset: int, data: np.ndarray,
-                      copies: _DeviceCopies) -> bool:
+    def _write_staged(self, fd: int, offset: int, data: np.ndarray) -> bool:
         """Write `data` (device memory) by copying it into the page-locked buffer a
         piece at a time. False, with the file where it was, if the driver refused."""
-        stage = self._stage(copies)
+        stage = self._stage()
         if stage is None:
             return False
         src, n = data.ctypes.data, data.nbytes
         for start in range(0, n, stage.size):
             piece = stage[:min(stage.size, n - start)]
-            if not copies.copy_out(piece, src + start):
+            if not self._copies.copy_out(piece, src + start):
                 os.lseek(fd, offset, os.SEEK_SET)
                 return False
             _write_all(fd, memoryview(piece))
@@ -196,7 +194,7 @@ class Boundaries:
     def _read_staged(self, offset: int, h: mx.array, dst: int) -> bool:
         """Fill h (device memory at dst) from the file through the page-locked
         buffer, a piece at a time. False if the driver refused."""
-        stage = self._stage(self._copies)
+        stage = self._stage()
         if stage is None:
             return False
         n = h.nbytes
@@ -207,10 +205,10 @@ class Boundaries:
                 return False
         return True
 
-    def _stage(self, copies: _DeviceCopies) -> np.ndarray | None:
+    def _stage(self) -> np.ndarray | None:
         """The I/O thread's page-locked buffer (None if the driver refused one)."""
         if self._staging is None:
-            self._staging = copies.pinned(_PIECE)
+            self._staging = self._copies.pinned(_PIECE)
         return self._staging
 
     def pop(self) -> mx.array:
