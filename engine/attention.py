@@ -36,6 +36,9 @@ own rectangle only:
   where mlx-lm's dense [L, L] window mask is quadratic. On the rejected side the
   window reaches back over positions, into the prompt's last keys.
 
+- A packed sequence (several rows side by side, `units`) is cut at its rows
+  first: each row's calls see only its own keys, under its own mask.
+
 Only layers whose attention calls an mlx-lm module's `scaled_dot_product_attention`
 can take a BlockMask (`takes_block_masks`); attention written by hand keeps
 array masks. Every row sees all its keys in one call, so attention sinks (a
@@ -72,6 +75,10 @@ class BlockMask:
     split: int | None = None
     window: int | None = None
     rows: int | None = None
+    # A packed sequence: rows [start, end) of each unit attend only to keys of their
+    # own unit, positions restarting at its start; (prompt, split) as above within
+    # the unit (a preference row's block), or (0, None) for a plain row.
+    units: tuple[tuple[int, int, int, int | None], ...] = ()
 
     def part(self, i: int, j: int):
         """(key ranges, mask) for query rows [i, j), all on one side of `split`."""
@@ -94,7 +101,18 @@ class BlockMask:
         return ranges, (k <= q) & (q - k < w)
 
     def parts(self, i: int, j: int):
-        """part() of rows [i, j), cut at `split` and, windowed, into `rows`-row blocks."""
+        """part() of rows [i, j), cut at `split` and, windowed, into `rows`-row blocks;
+        a packed mask cuts at its units first: no call spans two rows' keys."""
+        if self.units:
+            out = []
+            for start, end, prompt, split in self.units:
+                if end <= i or start >= j:
+                    continue
+                unit = BlockMask(prompt, split, self.window, self.rows)
+                for a, b, ranges, m in unit.parts(max(i, start) - start, min(j, end) - start):
+                    out.append((a + start, b + start,
+                                [(lo + start, hi + start) for lo, hi in ranges], m))
+            return out
         cuts = [i] + ([self.split] if self.split is not None and i < self.split < j else []) + [j]
         step = self.rows or (default_rows(self.window) if self.window else None)
         out = []
@@ -106,6 +124,14 @@ class BlockMask:
 
     def array(self, n: int) -> mx.array:
         """The same mask as an [n, n] boolean array, for attention written by hand."""
+        if self.units:   # block-diagonal: each unit's own mask, nothing across units
+            rows = []
+            for start, end, prompt, split in self.units:
+                own = BlockMask(prompt, split, self.window).array(end - start)
+                left = mx.zeros((end - start, start), dtype=mx.bool_)
+                right = mx.zeros((end - start, n - end), dtype=mx.bool_)
+                rows.append(mx.concatenate([left, own, right], axis=1))
+            return mx.concatenate(rows, axis=0)
         idx = mx.arange(n)
         m = idx[None, :] <= idx[:, None]
         pos = idx

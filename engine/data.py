@@ -124,7 +124,18 @@ def _rows(path: Path):
                 raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
             except ValueError as e:
                 raise DataError(f"{where}: not valid JSON ({e})") from None
+            _check_unicode(row, where)
             yield where, row
+
+
+def _check_unicode(row, where: str) -> None:
+    """JSON may escape half of a UTF-16 pair alone ("\\udc00"): such a string is no
+    text a tokenizer takes (it raised a TypeError from inside the tokenizer)."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end].encode("unicode_escape").decode("ascii")
+        raise DataError(f"{where}: not valid Unicode text (a lone surrogate {bad})") from None
 
 
 def encode_row(row, tokenizer, mask_prompt: bool, where: str) -> tuple[list[int], int]:

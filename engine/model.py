@@ -61,6 +61,7 @@ class ModelParts:
     block_masks: list[bool] | None = None       # per layer: attention takes a BlockMask
     tokenwise: list[list[str]] | None = None    # per layer: its token-wise children (engine/layer.py)
     rowwise: list[bool] | None = None           # per layer: may run rows apart (engine/rows.py)
+    pack_verdict: tuple | None = None           # (why rows cannot be packed, or None): step.pack_refusal
 
 
 def load_model(path: str | Path):

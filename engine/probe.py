@@ -6,6 +6,8 @@ optimizer and a synthetic row of exactly `seq_len` tokens (random ids: memory
 and time do not depend on which tokens), then a few steps through the same
 `measured_step` a training run takes, under the same memory guard. A point the
 guard stops is a measured "does not fit", reported like any other point.
+A tune for a job that packs its batch (`pack_rows` > 1) measures a packed step
+instead: that many rows side by side in one sequence of the point's length.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from segctl.schemas.records import ProbeSpec
 from .data import Example, PreferenceExample
 from .model import apply_lora, load_model, model_parts
 from .optim import make_optimizer
+from .step import pack_refusal
 from .train import OOMError, measured_step
 
 
@@ -37,9 +40,16 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
     method = (dict(method=spec.method, prefix_shared=spec.prefix_shared)
               if spec.method != "sft" else dict(method="sft"))
     model.train()
+    packs = spec.pack_rows > 1 and pack_refusal(parts) is None
     for seq_len, segment_size in spec.points:
-        example = synthetic_row(spec.method, seq_len, vocab, spec.prefix_shared,
-                                random.Random(spec.seed * 7919 + seq_len))
+        rng = random.Random(spec.seed * 7919 + seq_len)
+        if packs:   # the rows of one packed sequence of seq_len tokens
+            k = min(spec.pack_rows, max(1, seq_len // 8))
+            example = [synthetic_row(spec.method, seq_len // k + (i < seq_len % k), vocab,
+                                     spec.prefix_shared, rng) for i in range(k)]
+        else:
+            example = synthetic_row(spec.method, seq_len, vocab, spec.prefix_shared, rng)
+        pack = dict(pack=packs, pack_length=seq_len + 1) if packs else None
         mx.random.seed(spec.seed)
         optimizer = make_optimizer(1e-5)
         peaks: dict[str, float] = {}
@@ -51,7 +61,8 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
                                   budget=spec.budget_gb, segment_size=segment_size,
                                   head_chunk=spec.head_chunk, attn_block=spec.attn_block,
                                   mlp_chunk=spec.mlp_chunk,
-                                  grad_checkpoint=False, grad_clip=1.0, method=method)
+                                  grad_checkpoint=False, grad_clip=1.0, method=method,
+                                  pack=pack)
             except OOMError as e:
                 fits, message = False, str(e)
                 peak = max(peak, e.peak_gb)

@@ -34,6 +34,7 @@ and handed to the producer as extra cotangents next to dh.
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -73,40 +74,63 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
                    offload: str | None = None, grad_checkpoint: bool = False,
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
+                   pack: bool = False, pack_length: int = 0, micro: int = 0,
                    parts: ModelParts | None = None, on_phase: PhaseHook | None = None,
                    metrics: dict | None = None):
-    """(loss, grads) for one example; grads keyed like tree_flatten(trainable_parameters()).
+    """(loss, grads) for one example or a batch (a list of them); grads keyed like
+    tree_flatten(trainable_parameters()).
 
-    method "sft" takes an `Example`, "orpo" and "dpo" a `PreferenceExample`.
-    prefix_shared (ORPO, DPO): one pass over [prompt | chosen | rejected] instead
-    of two; an example it cannot serve runs two-branch, and
-    `metrics["prefix_shared"]` says which ran. DPO first runs its reference
-    forward (phase "ref"). attn_block (segmented only): when the sequence is
-    longer, each layer's attention backward walks blocks of this many query rows
-    (engine/attention.py). mlp_chunk (segmented only): when the sequence is
-    longer, each layer's token-wise sublayers (its MLP) run this many rows at a
-    time, forward and backward (engine/layer.py). offload (segmented only): a
-    folder where the boundaries wait between the forward and the backward
-    instead of memory (engine/offload.py). `metrics`, when given, receives the step's preference
-    figures (ORPO: margin, accuracy, log_odds, nll; DPO: margin, accuracy,
-    chosen_reward, rejected_reward) and, with offload, the seconds the step waited
-    for the disk (offload_write_wait_s, offload_read_wait_s) and spent handing
-    boundaries over, waits included (offload_append_s, offload_pop_s).
+    method "sft" takes `Example`s, "orpo" and "dpo" `PreferenceExample`s. A batch's
+    loss is the mean over every supervised token of its rows (SFT) or the mean of
+    its rows' losses (ORPO, DPO), and its gradient that of the whole batch: the
+    rows (or, with `pack`, sequences of rows: `make_plans`, each micro-batch of
+    `micro` rows packed into sequences of at most `pack_length` tokens) run one
+    after the other, their gradients summed. pack needs a model that packs
+    exactly (`pack_refusal`). prefix_shared (ORPO, DPO): one pass over
+    [prompt | chosen | rejected] instead of two; a row it cannot serve runs
+    two-branch, and `metrics["prefix_shared"]` says whether every row ran
+    shared. DPO first runs its reference forward (phase "ref"). attn_block
+    (segmented only): when the sequence is longer, each layer's attention
+    backward walks blocks of this many query rows (engine/attention.py).
+    mlp_chunk (segmented only): when the sequence is longer, each layer's
+    token-wise sublayers (its MLP) run this many rows at a time, forward and
+    backward (engine/layer.py). offload (segmented only): a folder where the
+    boundaries wait between the forward and the backward instead of memory
+    (engine/offload.py). `metrics`, when given, receives the step's preference
+    figures, means over its rows (ORPO: margin, accuracy, log_odds, nll; DPO:
+    margin, accuracy, chosen_reward, rejected_reward), its shape (rows,
+    sequences, tokens: the sequences' tokens) and, with offload, the seconds the
+    step waited for the disk (offload_write_wait_s, offload_read_wait_s) and spent
+    handing boundaries over, waits included (offload_append_s, offload_pop_s).
     """
     parts = parts or model_parts(model, check=False)
-    plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
-                     nll_scope=nll_scope, beta=beta,
-                     reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
-                                       attn_block=attn_block, mlp_chunk=mlp_chunk,
-                                       on_phase=on_phase))
-    if segment_size == 0:
-        loss, grads, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
-    else:
-        offload_s: dict = {}
-        loss, grads, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
-                                       mlp_chunk, offload, on_phase, offload_s)
+    batch = list(example) if isinstance(example, (list, tuple)) else [example]
+    if pack and pack_refusal(parts):
+        raise StepError(f"rows cannot be packed exactly on this model: {pack_refusal(parts)}")
+    plans = make_plans(batch, method, parts, pack=pack, pack_length=pack_length, micro=micro,
+                       prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
+                       beta=beta,
+                       reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
+                                         attn_block=attn_block, mlp_chunk=mlp_chunk,
+                                         on_phase=on_phase))
+    loss, grads, reports, offload_s = None, None, [], {}
+    for plan in plans:
+        if segment_size == 0:
+            part, got, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
+        else:
+            part, got, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
+                                         mlp_chunk, offload, on_phase, offload_s)
+        # Accumulated and evaluated plan by plan: one more set of LoRA gradients
+        # is all a batch adds to a row's memory.
+        loss = part if loss is None else loss + part
+        grads = got if grads is None else {n: grads[n] + g for n, g in got.items()}
+        del got
+        mx.eval(loss, grads)
+        reports += plan.report(sums)
     if metrics is not None:
-        metrics.update(plan.report(sums))
+        metrics.update(step_report(reports))
+        metrics.update(rows=len(batch), sequences=sum(len(p.streams) for p in plans),
+                       tokens=sum(len(s.ids) for p in plans for s in p.streams))
         if segment_size and offload:
             metrics.update({f"offload_{key}_s": s for key, s in offload_s.items()})
     return loss, grads
@@ -116,9 +140,10 @@ def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int
               attn_block: int = 0, mlp_chunk: int = 0,
               prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
               beta: float = 0.1, parts: ModelParts | None = None) -> tuple[float, int]:
-    """(loss, weight) without gradients, for validation: SFT weighs by supervised
-    tokens, ORPO and DPO by rows (their loss is already a per-row figure). On rows
-    longer than attn_block / mlp_chunk the forward goes in pieces as the step's does."""
+    """(loss, weight) of one row without gradients, for validation: SFT weighs by
+    supervised tokens, ORPO and DPO by rows (their loss is already a per-row
+    figure). On rows longer than attn_block / mlp_chunk the forward goes in pieces
+    as the step's does."""
     parts = parts or model_parts(model, check=False)
     plan = make_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
                      nll_scope=nll_scope, beta=beta,
@@ -148,7 +173,10 @@ def _nograd_sums(parts, streams, head_chunk, attn_block=0, mlp_chunk=0) -> mx.ar
 
 
 def supervised_tokens(example) -> int:
-    """Tokens whose log-probs the loss reads (the telemetry's tokens per step)."""
+    """Tokens whose log-probs the loss reads (the telemetry's tokens per step), of
+    one row or a batch."""
+    if isinstance(example, (list, tuple)):
+        return sum(supervised_tokens(ex) for ex in example)
     if isinstance(example, PreferenceExample):
         return len(example.chosen) + len(example.rejected)
     return len(example.ids) - 1 - max(0, example.prompt_len - 1)
@@ -165,43 +193,167 @@ class Stream:
     member: mx.array                    # [rows, sums]: 1.0 where a row counts toward a sum
     runs: list | None = None            # RoPE runs [(first, end, position of first)]
     block: tuple | None = None          # prefix-shared: (prompt length, first rejected row)
+    # packed: (start, end, prompt, split) of each row in it (attention.BlockMask.units)
+    units: tuple = ()
     contiguous: bool = field(init=False)
 
     def __post_init__(self):
         r = self.rows
         self.contiguous = r == list(range(r[0], r[0] + len(r))) if r else True
 
+    @property
+    def masked(self) -> bool:
+        """Whether its attention is not the model's own causal mask."""
+        return self.block is not None or bool(self.units)
+
+
+@dataclass
+class RowPlan:
+    """One row's share of a step: its streams (one, or a chosen and a rejected
+    branch) and its loss as a function of its own sums, not yet divided by the
+    step's weight. SFT: minus the summed log p of its response, weight its
+    supervised tokens; ORPO and DPO: the row's loss, weight 1. So a step's loss,
+    the sum of its rows' losses over the sum of their weights, is mlx-lm's
+    token-weighted mean for SFT and the mean of the rows' losses for ORPO and DPO."""
+    streams: list[Stream]
+    loss: Callable[[mx.array, mx.array | None], mx.array]  # (its sums, reference sums) -> loss
+    weight: int
+    sums: int                                             # how many sums its streams feed
+    report: Callable[[mx.array, mx.array | None], dict] = lambda s, ref: {}
+
 
 @dataclass
 class Plan:
+    """Streams run together, and the loss of their sums: one row, or rows packed
+    into one stream. A step is one or more plans whose losses (and so gradients)
+    add up: each is already divided by the whole step's weight."""
     streams: list[Stream]
-    loss: Callable[[mx.array], mx.array]   # sums -> scalar loss
-    weight: int                            # validation weight
-    report: Callable[[mx.array], dict] = lambda sums: {}
+    loss: Callable[[mx.array], mx.array]   # sums -> this plan's part of the step's loss
+    weight: int                            # its rows' weight (validation weighs rows by it)
+    report: Callable[[mx.array], list] = lambda sums: []   # a dict per row
+    rows: int = 1
 
 
 def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = False,
               lambda_: float = 0.1, nll_scope: str = "response", beta: float = 0.1,
               reference: Callable[[list[Stream]], mx.array] | None = None) -> Plan:
-    """`reference` (DPO): streams -> the reference model's sums over them
-    (`reference_sums` bound to the model); it runs here, once, before the step."""
+    """The plan of one row as a step of its own. `reference` (DPO): streams -> the
+    reference model's sums over them (`reference_sums` bound to the model); it runs
+    here, once, before the step."""
+    row = row_plan(example, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
+                   nll_scope=nll_scope, beta=beta)
+    return _join([row], row.streams, row.weight, method, reference)
+
+
+def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = False,
+               pack_length: int = 0, micro: int = 0, prefix_shared: bool = False,
+               lambda_: float = 0.1, nll_scope: str = "response", beta: float = 0.1,
+               reference: Callable[[list[Stream]], mx.array] | None = None) -> list[Plan]:
+    """The plans of a step over the rows of `batch`. With `pack`, the rows of each
+    micro-batch (`micro` rows; 0: all) that run as one stream go into as few
+    sequences of at most `pack_length` tokens as first-fit by length gives (a row
+    longer than that runs alone); rows of two branches run alone. Every plan's
+    loss is divided by the weight of the whole batch, so the plans' losses and
+    gradients add up to the step's."""
+    rows = [row_plan(ex, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
+                     nll_scope=nll_scope, beta=beta) for ex in batch]
+    total = sum(r.weight for r in rows)
+    groups: list[list[RowPlan]] = []
+    micro = micro or len(rows)
+    for lo in range(0, len(rows), micro):
+        chunk = rows[lo:lo + micro]
+        if not pack:
+            groups += [[r] for r in chunk]
+            continue
+        groups += [[r] for r in chunk if len(r.streams) > 1]
+        groups += first_fit([r for r in chunk if len(r.streams) == 1],
+                            lambda r: len(r.streams[0].ids), pack_length)
+    plans = []
+    for group in groups:
+        streams = group[0].streams if len(group) == 1 else [_packed([r.streams[0] for r in group])]
+        plans.append(_join(group, streams, total, method, reference))
+    return plans
+
+
+def first_fit(items: list, size: Callable, capacity: int) -> list[list]:
+    """Bins of `items` whose sizes add up to at most `capacity` each: first fit,
+    longest first (an item larger than `capacity` gets a bin of its own). Items
+    keep their order within a bin; bins come in the order they were opened."""
+    bins: list[list] = []
+    room: list[int] = []
+    for item in sorted(items, key=size, reverse=True):   # sorted() is stable: ties keep order
+        n = size(item)
+        k = next((b for b, left in enumerate(room) if n <= left), None)
+        if k is None:
+            bins.append([item])
+            room.append(capacity - n)
+        else:
+            bins[k].append(item)
+            room[k] -= n
+    return bins
+
+
+def _packed(streams: list[Stream]) -> Stream:
+    """One stream of several rows' streams side by side: their rows attend only to
+    themselves (`units`), positions restart at each (`runs`), each keeps its own
+    sums (the member matrix is block-diagonal)."""
+    ids, rows, targets, runs, units, members = [], [], [], [], [], []
+    width = sum(s.member.shape[1] for s in streams)
+    col = 0
+    for s in streams:
+        at, n, k = len(ids), len(s.ids), s.member.shape[1]
+        ids += s.ids
+        rows += [at + r for r in s.rows]
+        targets += s.targets
+        runs += [(at + a, at + b, p) for a, b, p in (s.runs or [(0, n, 0)])]
+        units.append((at, at + n, *(s.block or (0, None))))
+        members.append(mx.pad(s.member, [(0, 0), (col, width - col - k)]))
+        col += k
+    return Stream(ids, rows, targets, mx.concatenate(members), runs, None, tuple(units))
+
+
+def _join(group: list[RowPlan], streams: list[Stream], total: int, method: str,
+          reference) -> Plan:
+    """The plan of `group`'s rows over `streams` (their sums side by side, in the
+    group's order), its loss divided by `total`."""
+    cuts = [0]
+    for r in group:
+        cuts.append(cuts[-1] + r.sums)
+    ref = None
+    if method == "dpo":
+        if reference is None:
+            raise ValueError("method dpo needs the reference model's sums (reference=)")
+        ref = reference(streams)
+
+    def own(x, k):
+        return None if x is None else x[cuts[k]:cuts[k + 1]]
+
+    def loss(sums):
+        return sum(r.loss(own(sums, k), own(ref, k)) for k, r in enumerate(group)) / total
+
+    def report(sums):
+        return [r.report(own(sums, k), own(ref, k)) for k, r in enumerate(group)]
+
+    return Plan(streams, loss, sum(r.weight for r in group), report, len(group))
+
+
+def row_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = False,
+             lambda_: float = 0.1, nll_scope: str = "response", beta: float = 0.1) -> RowPlan:
     if method == "sft":
         if not isinstance(example, Example):
             raise StepError(f"method sft takes an Example, got {type(example).__name__}")
-        return _sft_plan(example)
+        return _sft_row(example)
     if method in ("orpo", "dpo"):
         if not isinstance(example, PreferenceExample):
             raise StepError(f"method {method} takes a PreferenceExample, "
                             f"got {type(example).__name__}")
         if method == "orpo":
-            return _orpo_plan(example, parts, prefix_shared, lambda_, nll_scope)
-        if reference is None:
-            raise ValueError("method dpo needs the reference model's sums (reference=)")
-        return _dpo_plan(example, parts, prefix_shared, beta, reference)
+            return _orpo_row(example, parts, prefix_shared, lambda_, nll_scope)
+        return _dpo_row(example, parts, prefix_shared, beta)
     raise StepError(f"unknown method {method!r} (expected sft, orpo or dpo)")
 
 
-def _sft_plan(ex: Example) -> Plan:
+def _sft_row(ex: Example) -> RowPlan:
     n = len(ex.ids)
     start = max(0, ex.prompt_len - 1)
     m = n - 1 - start
@@ -210,10 +362,10 @@ def _sft_plan(ex: Example) -> Plan:
                         "has no response tokens to supervise")
     rows = list(range(start, n - 1))
     stream = Stream(ex.ids[:-1], rows, ex.ids[start + 1:], mx.ones((m, 1)))
-    return Plan([stream], lambda s: -s[0] / m, m)
+    return RowPlan([stream], lambda s, ref: -s[0], m, 1)
 
 
-def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -> Plan:
+def _orpo_row(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -> RowPlan:
     """ORPO: NLL of the chosen response plus lambda x softplus(-log odds ratio) of the
     length-normalised chosen and rejected log-probs, on `_preference_streams`' sums."""
     if nll_scope not in ("response", "full"):
@@ -222,48 +374,59 @@ def _orpo_plan(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) 
     streams, shared = _preference_streams(ex, parts, prefix_shared, full)
     nc, nr, nf = len(ex.chosen), len(ex.rejected), len(ex.prompt) + len(ex.chosen) - 1
 
-    def loss(s):
+    def loss(s, ref):
         lw, lr = s[0] / nc, s[1] / nr
         log_odds = (lw - lr) - (_log1mexp(lw) - _log1mexp(lr))
         nll = -s[2] / nf if full else -lw
         return nll + lambda_ * mx.logaddexp(0.0, -log_odds)
 
-    def report(s):
+    def report(s, ref):
         lw, lr = (s[0] / nc).item(), (s[1] / nr).item()
         log_odds = (lw - lr) - (_log1mexp(mx.array(lw)) - _log1mexp(mx.array(lr))).item()
         return {"margin": lw - lr, "accuracy": float(lw > lr), "log_odds": log_odds,
                 "nll": (-s[2] / nf).item() if full else -lw, "prefix_shared": shared}
 
-    return Plan(streams, loss, 1, report)
+    return RowPlan(streams, loss, 1, 3, report)
 
 
 def _log1mexp(x):
     return mx.log(mx.maximum(1.0 - mx.exp(x), 1e-7))
 
 
-def _dpo_plan(ex: PreferenceExample, parts, prefix_shared, beta, reference) -> Plan:
+def _dpo_row(ex: PreferenceExample, parts, prefix_shared, beta) -> RowPlan:
     """DPO's sigmoid loss on `_preference_streams`' sums: softplus(-(rw - rr)) with
     the rewards rw = beta * (lw - lw_ref), rr = beta * (lr - lr_ref), where lw, lr
     are the SUMS of log p over the chosen and rejected response tokens (the
     sequence log-likelihoods DPO is defined on, not ORPO's length-normalised
-    means) and lw_ref, lr_ref the reference model's. Those come from `reference`
-    over the same streams, computed once here: constants of the loss."""
+    means) and lw_ref, lr_ref the reference model's over the same streams,
+    computed once before the step: constants of the loss."""
     streams, shared = _preference_streams(ex, parts, prefix_shared, full=False)
-    ref = reference(streams)
 
-    def rewards(s):
+    def rewards(s, ref):
         return beta * (s[0] - ref[0]), beta * (s[1] - ref[1])
 
-    def loss(s):
-        rw, rr = rewards(s)
+    def loss(s, ref):
+        rw, rr = rewards(s, ref)
         return mx.logaddexp(0.0, -(rw - rr))
 
-    def report(s):
-        rw, rr = (x.item() for x in rewards(s))
+    def report(s, ref):
+        rw, rr = (x.item() for x in rewards(s, ref))
         return {"margin": rw - rr, "accuracy": float(rw > rr), "chosen_reward": rw,
                 "rejected_reward": rr, "prefix_shared": shared}
 
-    return Plan(streams, loss, 1, report)
+    return RowPlan(streams, loss, 1, 3, report)
+
+
+def step_report(reports: list[dict]) -> dict:
+    """The step's figures from its rows': means of the numbers; prefix_shared only
+    when every row ran so."""
+    if not reports or not reports[0]:
+        return {}
+    out = {}
+    for key in reports[0]:
+        values = [r[key] for r in reports]
+        out[key] = all(values) if isinstance(values[0], bool) else sum(values) / len(values)
+    return out
 
 
 def _preference_streams(ex: PreferenceExample, parts, prefix_shared: bool,
@@ -303,6 +466,42 @@ def _preference_streams(ex: PreferenceExample, parts, prefix_shared: bool,
     stream = Stream(seq[:-1], chosen_rows + rej_rows, seq[first + 1:P + nc] + r,
                     mx.array(chosen_member + [[0.0, 1.0, 0.0]] * nr), runs, (P, P + nc))
     return [stream], True
+
+
+def pack_refusal(parts: ModelParts) -> str | None:
+    """Why rows cannot be packed into one sequence of this model exactly, or None
+    when they can. Not assumed from the family: two short rows run packed and
+    apart through the layers without gradients, and every row's log p must agree
+    (within the model dtype's rounding). Checked once per model."""
+    if parts.pack_verdict is None:
+        parts.pack_verdict = (_pack_refusal(parts),)
+    return parts.pack_verdict[0]
+
+
+def _pack_refusal(parts: ModelParts) -> str | None:
+    if not _has_rope(parts):
+        return ("its layers keep their positions outside a `rope` module, so a packed row "
+                "cannot restart at position 0")
+    rows = [[(7 * i + 3) % 31 + 1 for i in range(n)] for n in (6, 9)]
+    alone = [_all_rows(r) for r in rows]
+    try:
+        packed = _packed(alone)
+        got = _nograd_sums(parts, [packed], DEFAULT_HEAD_CHUNK)
+        want = mx.concatenate([_nograd_sums(parts, [s], DEFAULT_HEAD_CHUNK) for s in alone])
+        err, size = mx.max(mx.abs(got - want)).item(), mx.max(mx.abs(want)).item()
+    except Exception as e:  # a family whose attention refuses the packed mask
+        return f"its forward does not take a packed mask ({type(e).__name__}: {e})"
+    half = parts.embed(mx.array([[1]])).dtype in (mx.float16, mx.bfloat16)
+    if not math.isfinite(err) or err > (2e-2 if half else 1e-3) * max(size, 1.0):
+        return ("two rows packed into one sequence give other log-probs than apart "
+                f"(max difference {err:.3g})")
+    return None
+
+
+def _all_rows(ids: list[int]) -> Stream:
+    """A stream of `ids` whose every row is a sum of its own (its log p)."""
+    n = len(ids) - 1
+    return Stream(ids[:-1], list(range(n)), ids[1:], mx.eye(n))
 
 
 # ---------------------------------------------------------------- DPO's reference
@@ -379,8 +578,8 @@ def _embed(parts, stream: Stream, rows: int = 0):
 
 
 def _masks(parts, stream: Stream, n: int, own: list, rows: int = 0) -> list:
-    """Each layer's mask. Prefix-shared streams and windows shorter than the
-    sequence take a `BlockMask`, whose attention touches only the keys a row
+    """Each layer's mask. Packed and prefix-shared streams and windows shorter
+    than the sequence take a `BlockMask`, whose attention touches only the keys a row
     sees (a dense [n, n] array would make every layer's attention O(n^2)). A
     full-attention layer keeps the model's own "causal", or on a row longer than
     `rows` a BlockMask of `rows`-row blocks: where MLX's attention is not fused
@@ -390,7 +589,9 @@ def _masks(parts, stream: Stream, n: int, own: list, rows: int = 0) -> list:
     the same masks as arrays."""
     out = []
     for takes, w, m in zip(parts.block_masks, parts.windows, own):
-        if stream.block is not None:
+        if stream.units:
+            bm = BlockMask(window=w, rows=None if w else rows or None, units=stream.units)
+        elif stream.block is not None:
             bm = BlockMask(*stream.block, window=w, rows=None if w else rows or None)
         elif w and n > w:
             bm = BlockMask(window=w)
@@ -402,7 +603,7 @@ def _masks(parts, stream: Stream, n: int, own: list, rows: int = 0) -> list:
         if takes:
             out.append(bm)
         else:  # the model's own array is lazy: built only where a layer reads it
-            out.append(bm.array(n) if stream.block is not None else m)
+            out.append(bm.array(n) if stream.masked else m)
     return out
 
 
@@ -465,7 +666,7 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
 
 
 def _own_forward(stream, grad_checkpoint) -> bool:
-    return not grad_checkpoint and stream.block is None
+    return not grad_checkpoint and not stream.masked
 
 
 def _logits(model, parts, stream, grad_checkpoint):

@@ -28,7 +28,7 @@ from segctl.schemas.job import JobSpec
 from .data import DataError, Dataset, epoch_order, load_dataset_cached
 from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
-from .step import StepError, eval_loss, loss_and_grads, supervised_tokens
+from .step import StepError, eval_loss, loss_and_grads, pack_refusal, supervised_tokens
 
 Emit = Callable[[ev.Event], None]
 GB = 1e9
@@ -77,7 +77,9 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                                 dropout=job.lora.dropout, num_layers=job.lora.num_layers,
                                 keys=job.lora.keys)
     parts = model_parts(model, check=False)
-    total = job.train.iters or job.train.epochs * len(train_set)
+    per_step = job.train.rows_per_step
+    pack, pack_reason = packing(job, parts)
+    total = job.train.iters or job.train.epochs * -(-len(train_set) // per_step)
     lr = schedule(job.train.learning_rate, job.train.schedule, warmup=job.train.warmup, total=total)
     optimizer = make_optimizer(lr, job.train.weight_decay)
     start_step, best = 0, BestSoFar()
@@ -95,7 +97,9 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   train_rows=len(train_set), valid_rows=len(valid_set or []),
                   truncated=train_set.truncated + (valid_set.truncated if valid_set else 0),
                   skipped=train_set.skipped + (valid_set.skipped if valid_set else 0),
-                  trainable_params=n_trainable))
+                  trainable_params=n_trainable, batch_size=job.train.batch_size,
+                  grad_accumulation=job.train.grad_accumulation, packed=pack,
+                  pack_reason=pack_reason))
 
     budget = job.memory.budget_gb
     # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
@@ -109,20 +113,23 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     model.train()
     for step in range(start_step + 1, total + 1):
         last = step
-        example = example_at(train_set, job.train.seed, step - 1)
+        batch = batch_at(train_set, job.train.seed, step, per_step)
         # The RNG is a function of (seed, step): a resumed run draws what the
         # uninterrupted one would have.
         mx.random.seed(job.train.seed * 1_000_003 + step)
-        m = measured_step(model, optimizer, example, parts=parts, step=step, budget=budget,
+        m = measured_step(model, optimizer, batch, parts=parts, step=step, budget=budget,
                           segment_size=seg, head_chunk=job.memory.head_chunk,
                           attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
                           offload=scratch,
                           grad_checkpoint=job.memory.grad_checkpoint,
-                          grad_clip=job.train.grad_clip, method=method)
+                          grad_clip=job.train.grad_clip, method=method,
+                          pack=dict(pack=pack, pack_length=pack_length(job),
+                                    micro=job.train.batch_size))
         loss = m.loss.item()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
-        tokens = supervised_tokens(example)
+        tokens = supervised_tokens(batch)
+        sequences, seq_tokens = m.metrics["sequences"], m.metrics["tokens"]
         emit(ev.Step(time=clock(), step=step, loss=loss, tokens=tokens, seconds=m.seconds,
                      tokens_per_s=tokens / m.seconds, lr=float(optimizer.learning_rate.item()),
                      grad_norm=m.grad_norm.item(), peak_gb=m.peak_gb,
@@ -130,7 +137,10 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                      margin=m.metrics.get("margin"), accuracy=m.metrics.get("accuracy"),
                      prefix_shared=m.metrics.get("prefix_shared"),
                      chosen_reward=m.metrics.get("chosen_reward"),
-                     rejected_reward=m.metrics.get("rejected_reward")))
+                     rejected_reward=m.metrics.get("rejected_reward"),
+                     rows=len(batch), sequences=sequences, seq_tokens=seq_tokens,
+                     pack_efficiency=seq_tokens / (sequences * pack_length(job)) if pack
+                     else None))
         if job.telemetry.phases:
             emit(ev.Phase(time=clock(), step=step, phases=m.phases))
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
@@ -194,6 +204,30 @@ def run_reported(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: N
     return ev.EXIT_OK, ""
 
 
+def packing(job: JobSpec, parts) -> tuple[bool, str | None]:
+    """(whether a micro-batch's rows run packed, why not where `data.pack: auto`
+    leaves them apart). Packing is only ever exact: a model the engine cannot pack
+    exactly (`pack_refusal`), or LoRA dropout (a packed sequence would draw other
+    masks than its rows apart), trains unpacked under auto and is refused under
+    true."""
+    asked = job.data.pack
+    if asked is False:
+        return False, None
+    why = pack_refusal(parts)
+    if why is None and job.lora.dropout > 0:
+        why = "lora.dropout is on: a packed sequence draws other dropout masks than its rows"
+    if why is None:
+        return True, None
+    if asked is True:
+        raise ModelError(f"{job.model}: data.pack: true: rows cannot be packed exactly ({why}); "
+                         "use pack: auto or false")
+    return False, why
+
+
+def pack_length(job: JobSpec) -> int:
+    return job.data.pack_length or job.data.max_seq_length
+
+
 def method_options(job: JobSpec) -> dict:
     """The loss_and_grads / eval_loss keywords that the job's method sets."""
     if job.method == "orpo":
@@ -218,10 +252,12 @@ class MeasuredStep:
 def measured_step(model, optimizer, example, *, parts, step: int, budget: float | None,
                   segment_size: int, head_chunk: int, attn_block: int, grad_checkpoint: bool,
                   grad_clip: float | None, method: dict, mlp_chunk: int = 0,
-                  offload: str | None = None) -> MeasuredStep:
-    """One optimizer step under the memory guard, with each phase's own peak: the
-    peak counter restarts at every phase boundary, so a phase's figure is what it
-    alone needed (a plan's measured memory model is fitted phase by phase).
+                  offload: str | None = None, pack: dict | None = None) -> MeasuredStep:
+    """One optimizer step over `example` (a row or a batch of them; `pack`: the
+    step's pack, pack_length and micro keywords) under the memory guard, with each
+    phase's own peak: the peak counter restarts at every phase boundary, so a
+    phase's figure is what it alone needed (a plan's measured memory model is
+    fitted phase by phase).
     Raises OOMError when a phase's peak crosses `budget`."""
     phases: list[tuple[str, float]] = []
 
@@ -240,13 +276,20 @@ def measured_step(model, optimizer, example, *, parts, step: int, budget: float 
     loss, grads = loss_and_grads(model, example, segment_size=segment_size, head_chunk=head_chunk,
                                  attn_block=attn_block, mlp_chunk=mlp_chunk, offload=offload,
                                  grad_checkpoint=grad_checkpoint,
-                                 parts=parts, on_phase=on_phase, metrics=metrics, **method)
+                                 parts=parts, on_phase=on_phase, metrics=metrics,
+                                 **(pack or {}), **method)
     grad_norm = apply_grads(model, optimizer, grads, grad_clip)
     del grads
     mx.eval(loss, grad_norm, model.trainable_parameters(), optimizer.state)
     seconds = time.perf_counter() - tic
     on_phase("update")
     return MeasuredStep(loss, grad_norm, seconds, max(p for _, p in phases), phases, metrics)
+
+
+def batch_at(ds: Dataset, seed: int, step: int, rows: int) -> list:
+    """The rows of step `step` (from 1): the next `rows` of the data order, which
+    goes on across epochs (a step may end one epoch and start the next)."""
+    return [example_at(ds, seed, (step - 1) * rows + k) for k in range(rows)]
 
 
 def example_at(ds: Dataset, seed: int, position: int):

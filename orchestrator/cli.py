@@ -96,6 +96,7 @@ def validate(spec: Path):
     kind, obj = _load(load_spec, spec)
     if kind in ("job", "sweep"):
         _check_families(spec, [obj.model] if kind == "job" else [t.job.model for t in obj.trials])
+        _check_packing(spec, obj if kind == "sweep" else None, [obj] if kind == "job" else None)
         _check_trackers(spec, [obj] if kind == "job" else [t.job for t in obj.trials])
     what = {"job": "job", "sweep": f"sweep of {len(getattr(obj, 'trials', []))} trials",
             "cluster": f"cluster of {len(getattr(obj, 'nodes', []))} nodes"}[kind]
@@ -122,6 +123,53 @@ def _check_families(where, models) -> None:
                 check_family(model)
             except ModelError as e:
                 _fail(f"{where}: model: {e}")
+
+
+def _check_packing(spec: Path, sweep=None, jobs=None) -> None:
+    """Exit 2 when a job asks `data.pack: true` of a model whose family the engine
+    cannot pack exactly (PACKABLE_FAMILIES; config.json's model_type, or its
+    text_config's), where the user wrote it: every trial of a sweep counts (its
+    base or an axis may set it). `jobs` without `sweep`: job files named `spec`."""
+    from segctl.orchestrator.planner import family_packs, model_types
+    pairs = [(t.job, t) for t in sweep.trials] if sweep is not None else [(j, None) for j in jobs]
+    packs: dict[str, bool] = {}   # model folder -> its verdict, read once per sweep
+    for job, trial in pairs:
+        if job.data.pack is not True or not (Path(job.model) / "config.json").is_file():
+            continue   # a folder that is not here is left to plan and submit, which need it
+        try:
+            if job.model not in packs:
+                packs[job.model] = family_packs(job.model)
+            if packs[job.model]:
+                continue
+            types = model_types(job.model)
+        except ValueError as e:
+            _fail(f"{spec}: model: {e}")
+        what = types[0] + (f" (text model {types[1]})" if types[1:] else "")
+        _fail(f"{_pack_where(spec, sweep, trial)}: true: model type {what} cannot be packed "
+              "exactly (use pack: auto, which trains it unpacked, or pack: false)")
+
+
+def _pack_where(spec: Path, sweep, trial) -> str:
+    """`file:line: key` of the data.pack a trial (or, without a sweep, the job file)
+    has: its sweep axis, the sweep's inline job, or the base job file."""
+    from segctl.schemas.yamlspec import line_of, load_yaml
+    _, root = load_yaml(spec)
+    if sweep is None:
+        return f"{spec}:{line_of(root, ['data', 'pack'])}: data.pack"
+    if "data.pack" in trial.params:
+        if "data.pack" in sweep.spec.grid:
+            value = trial.params["data.pack"]
+            i = next((i for i, v in enumerate(sweep.spec.grid["data.pack"])
+                      if v == value and type(v) is type(value)), None)   # 1 == True: the type too
+            if i is None:
+                return f"{spec}:{line_of(root, ['grid', 'data.pack'])}: grid.data.pack"
+            return f"{spec}:{line_of(root, ['grid', 'data.pack', i])}: grid.data.pack[{i}]"
+        return f"{spec}:{line_of(root, ['random', 'params', 'data.pack'])}: random.params.data.pack"
+    if sweep.spec.job is not None:
+        return f"{spec}:{line_of(root, ['job', 'data', 'pack'])}: job.data.pack"
+    base = spec.parent / sweep.spec.base
+    _, node = load_yaml(base)
+    return f"{base}:{line_of(node, ['data', 'pack'])}: data.pack"
 
 
 def _load(loader, path):
@@ -183,7 +231,7 @@ def _resolve_auto(job, job_file):
     from segctl.schemas.records import NodeInfo
     try:
         info = planner.model_info(job.model)
-        seq_len = planner.longest_row(job)
+        seq_len = planner.step_tokens(job)   # the longest packed sequence where the job packs
     except (ValueError, DataError) as e:
         _fail(f"{job_file}: {e}")
     hw = probe()
@@ -239,8 +287,9 @@ def _knobs(spec) -> dict:
     return spec.planner.model_dump() if spec is not None and spec.planner else {}
 
 
-def _payload(sweep_file, spec):
-    """Validate the sweep and everything it names; exit 2 before anything is written."""
+def _payload(sweep_file, spec, tokens: dict | None = None):
+    """Validate the sweep and everything it names; exit 2 before anything is written.
+    `tokens` (a dict) gets each trial's step_tokens by batch size (prepare's)."""
     from segctl.engine.data import DataError
     from segctl.orchestrator.submit import prepare
     from segctl.schemas.spec import load_spec
@@ -250,9 +299,10 @@ def _payload(sweep_file, spec):
         _fail(f"{sweep_file}: this is a cluster file; submit a sweep or a job file")
     sweep = _load(single_job_sweep if kind == "job" else load_sweep, sweep_file)
     _check_families(sweep_file, [t.job.model for t in sweep.trials])
+    _check_packing(sweep_file, sweep)
     _check_trackers(sweep_file, [t.job for t in sweep.trials])
     try:
-        return prepare(sweep, _knobs(spec))
+        return prepare(sweep, _knobs(spec), tokens)
     except (ValueError, DataError, OSError) as e:
         _fail(f"{sweep_file}: {e}")
 
@@ -283,8 +333,9 @@ def plan(sweep_file: Path, cluster_file, as_json: bool):
     from the model's shape)."""
     from segctl.orchestrator.submit import plan_rows
     spec = _cluster(cluster_file)
-    payload = _payload(sweep_file, spec)
-    rows = plan_rows(payload, _declared_nodes(spec), _root(spec))
+    tokens: dict = {}
+    payload = _payload(sweep_file, spec, tokens)
+    rows = plan_rows(payload, _declared_nodes(spec), _root(spec), tokens)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:
@@ -352,6 +403,8 @@ def tune(model_dir, method, seq_lens, segment_sizes, job_file, steps, force, plo
         _fail("give --model PATH (or --job JOB.yaml)")
     model = str(Path(model_dir).resolve()) if model_dir else job.model
     _check_families("--model", [model])
+    if job is not None:   # the probes train as the job does, packed where it asks
+        _check_packing(job_file, jobs=[job.model_copy(update={"model": model})])
     try:
         lengths = tuning.parse_ints(seq_lens, "--seq-lens", low=2)
         sizes = tuning.parse_ints(segment_sizes, "--segment-sizes", low=1)

@@ -666,7 +666,7 @@ class Controller:
                              # a tune filed by an older head has no mlp_chunk
                              mlp_chunk=req.get("mlp_chunk", DEFAULT_MLP_CHUNK),
                              budget_gb=node.memory_gb, points=c["points"][c["done"]:],
-                             steps=req["steps"])
+                             steps=req["steps"], pack_rows=req.get("pack_rows", 1))
             ref = self.agents[node.name].probe.remote(tid, spec)
             self.probing[ref] = (tid, cls, node.name)
             self.held[node.name] = {f"tune:{tid}": float("inf")}   # probes measure a whole node

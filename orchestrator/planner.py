@@ -33,7 +33,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from segctl.schemas.families import ROWWISE_FAMILIES
+from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
 from segctl.schemas.defaults import (ATTN_KEY_TILE, ATTN_TILED_ABOVE, DEFAULT_ATTN_BLOCK,
                                      DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN, DEFAULT_MLP_CHUNK)
 from segctl.schemas.job import JobSpec
@@ -186,9 +186,23 @@ def _act_bytes(weights: list[Path], cfg: dict) -> int:
     return _CONFIG_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
 
 
-def longest_row(job: JobSpec) -> int:
-    """Tokens in the longest train/valid row, after the job's truncation/skip rules:
-    the sequence length the plan must hold. Loads the tokenizer, not the weights."""
+@dataclass(frozen=True)
+class RowLengths:
+    """A job's train and valid rows as the planner needs them, read once: the
+    row_tokens of the rows that run as one stream (the ones the engine packs),
+    longest first, and the longest of those that run as two branches (ORPO, DPO
+    without a shared prefix: each runs alone, packed or not)."""
+    streams: tuple[int, ...]
+    branched: int = 0
+
+    @property
+    def longest(self) -> int:
+        return max(self.streams[:1] + (self.branched,))
+
+
+def row_lengths(job: JobSpec) -> RowLengths:
+    """The row lengths of the job's train/valid rows, after its truncation/skip
+    rules. Loads the tokenizer, not the weights."""
     from mlx_lm.utils import load_tokenizer
 
     from segctl.engine.data import load_dataset
@@ -205,8 +219,79 @@ def longest_row(job: JobSpec) -> int:
     d = job.data
     opts = dict(method=job.method, mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length,
                 overlong=d.overlong)
-    return max(row_tokens(ex, job) for path in (d.train, d.valid) if path
-               for ex in load_dataset(path, tokenizer, **opts).examples)
+    streams, branched = [], 0
+    for path in (d.train, d.valid):
+        for ex in load_dataset(path, tokenizer, **opts).examples if path else ():
+            if one_stream(ex, job):
+                streams.append(row_tokens(ex, job))
+            else:
+                branched = max(branched, row_tokens(ex, job))
+    return RowLengths(tuple(sorted(streams, reverse=True)), branched)
+
+
+def longest_row(job: JobSpec, lengths: RowLengths | None = None) -> int:
+    """Tokens in the longest train/valid row, after the job's truncation/skip rules:
+    the longest sequence one row puts through the layers (`lengths`: the job's
+    row_lengths, else they are read)."""
+    return (lengths or row_lengths(job)).longest
+
+
+def step_tokens(job: JobSpec, lengths: RowLengths | None = None, *,
+                batch_size: int | None = None, packable: bool | None = None) -> int:
+    """The longest sequence a step puts through the layers, the seq_len its plan must
+    hold. Unpacked (`packs` says no, or one row a micro-batch) the longest row.
+    Packed, the engine puts each micro-batch's rows (batch_size of them) into
+    sequences of at most pack_length tokens, a longer row alone, so the longest is
+    at most the longer of pack_length and the longest row, and at most the
+    batch_size longest rows together; two-branch rows are never packed.
+    `batch_size` overrides the job's (the largest batch that fits); `packable`
+    (family_packs of the job's model) is read from config.json when not given."""
+    lengths = lengths or row_lengths(job)
+    b = job.train.batch_size if batch_size is None else batch_size
+    if b <= 1 or not packs(job, packable):
+        return lengths.longest
+    cap = max(job.data.pack_length or job.data.max_seq_length, lengths.longest)
+    return max(lengths.branched, min(cap, sum(lengths.streams[:b])))
+
+
+def packs(job: JobSpec, packable: bool | None = None) -> bool:
+    """Whether the engine packs the job's rows: pack true; auto only where that is
+    exact (the family packs, PACKABLE_FAMILIES, and lora.dropout is 0: a packed
+    sequence draws other dropout masks than its rows apart), else it trains
+    unpacked. `packable`: family_packs(job.model), read when not given."""
+    if job.data.pack is False:
+        return False
+    if job.data.pack is True:
+        return True
+    if job.lora.dropout > 0:
+        return False
+    return family_packs(job.model) if packable is None else packable
+
+
+def model_types(model_dir: str) -> list[str]:
+    """config.json's model_type, then its text_config's where a multimodal wrapper
+    nests one (the wrapper's type says nothing of how its text layers pack)."""
+    config = read_model_config(model_dir)
+    types = [str(config.get("model_type", "?"))]
+    text = config.get("text_config")
+    if isinstance(text, dict) and text.get("model_type"):
+        types.append(str(text["model_type"]))
+    return types
+
+
+def family_packs(model_dir: str) -> bool:
+    """Whether the engine packs this model's rows exactly, from its family
+    (schemas/families.py's PACKABLE_FAMILIES, mlx-lm's module names): the wrapper's
+    type or its text model's, as mlx-lm maps it to a module (mistral runs as llama)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+    return any(t in PACKABLE_FAMILIES or MODEL_REMAPPING.get(t) in PACKABLE_FAMILIES
+               for t in model_types(model_dir))
+
+
+def one_stream(example, job: JobSpec) -> bool:
+    """Whether a row runs as one stream (SFT; ORPO, DPO prefix-shared where its two
+    prompts tokenise alike), the rows the engine packs; else as two branches."""
+    return job.method == "sft" or (job.prefix_shared and example.rejected_prompt is None)
 
 
 def row_tokens(example, job: JobSpec) -> int:
@@ -215,7 +300,7 @@ def row_tokens(example, job: JobSpec) -> int:
     if job.method == "sft":
         return len(example.ids)
     p, c, r = len(example.prompt), len(example.chosen), len(example.rejected)
-    if job.prefix_shared and example.rejected_prompt is None:
+    if one_stream(example, job):
         return p + c + r
     return max(p + c, len(example.rejected_prompt or example.prompt) + r)
 

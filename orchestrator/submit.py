@@ -4,6 +4,7 @@ the nodes share no file system with the machine that submits)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -14,21 +15,34 @@ from segctl.schemas.sweep import Sweep
 from . import planner
 
 
-def prepare(sweep: Sweep, knobs: dict) -> dict:
-    """The submit payload (see head.Controller.submit). Raises ValueError /
-    engine DataError with one line for a model or data file it cannot use."""
+def prepare(sweep: Sweep, knobs: dict, tokens: dict | None = None) -> dict:
+    """The submit payload (see head.Controller.submit). A trial's seq_len is its
+    step_tokens: the longest sequence a step puts through the layers, packed where
+    the job packs. `tokens` (a dict), when given, gets trial name -> a function of
+    a batch size giving that trial's step_tokens at it (`segctl plan`'s largest
+    batch that fits; the data are not read again). Raises ValueError / engine
+    DataError with one line for a model or data file it cannot use."""
     infos: dict[str, dict] = {}
-    longest: dict[tuple, int] = {}
+    packable: dict[str, bool] = {}
+    lengths: dict[tuple, planner.RowLengths] = {}
     blobs: dict[str, bytes] = {}
     trials = []
     for t in sweep.trials:
         job = t.job
         if job.model not in infos:
             infos[job.model] = planner.model_info(job.model).to_dict()
+            packable[job.model] = planner.family_packs(job.model)
         d = job.data
-        key = (job.model, d.train, d.valid, d.max_seq_length, d.overlong, d.mask_prompt)
-        if key not in longest:
-            longest[key] = planner.longest_row(job)
+        # what the rows' lengths depend on (a sweep may vary any of it): the
+        # method and prefix_shared decide how a preference row's streams run
+        key = (job.model, d.train, d.valid, d.max_seq_length, d.overlong, d.mask_prompt,
+               job.method, job.prefix_shared)
+        if key not in lengths:
+            lengths[key] = planner.row_lengths(job)   # the data read once per key
+        step = functools.partial(planner.step_tokens, job, lengths[key],
+                                 packable=packable[job.model])
+        if tokens is not None:
+            tokens[t.name] = lambda b, step=step: step(batch_size=b)
         inputs = {}
         for name, path in (("train.jsonl", d.train), ("valid.jsonl", d.valid)):
             if path:
@@ -38,16 +52,18 @@ def prepare(sweep: Sweep, knobs: dict) -> dict:
                 inputs[name] = sha
         trials.append(dict(index=t.index, name=t.name, params=t.params,
                            job=job.model_dump(mode="json"), model_info=infos[job.model],
-                           seq_len=longest[key], inputs=inputs))
+                           seq_len=step(), inputs=inputs))
     spec = sweep.spec.model_dump(mode="json")
     spec["planner"] = knobs
     return dict(name=sweep.spec.name, path=sweep.path, spec=spec, trials=trials, blobs=blobs)
 
 
-def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None) -> list[dict]:
+def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None,
+              tokens: dict | None = None) -> list[dict]:
     """`segctl plan`: per trial and node class, the segment size and predicted peak,
     from the plan table's measured model where `segctl tune` made one (stores
-    under `root`), else the analytic estimate."""
+    under `root`), else the analytic estimate. `tokens` (prepare's): where a
+    packed batch does not fit, the reason names the largest batch that would."""
     from segctl.schemas.job import JobSpec
 
     from . import measured
@@ -69,13 +85,39 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None) ->
             key = planner.model_key(info)
             if key not in fitted:
                 fitted[key] = measured.models_of(measured.read_plan(root, key)) if root else {}
-            p = planner.plan(info, job, seq_len=t["seq_len"], budget_gb=n.memory_gb,
-                             margin=knobs.get("margin", DEFAULT_MARGIN),
-                             scale=knobs.get("scale", DEFAULT_SCALE),
-                             measured=fitted[key].get(planner.tune_key(job, cls)))
+            at = lambda seq_len: planner.plan(
+                info, job, seq_len=seq_len, budget_gb=n.memory_gb,
+                margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", DEFAULT_SCALE),
+                measured=fitted[key].get(planner.tune_key(job, cls)))
+            p = at(t["seq_len"])
+            reason = p.reason
+            if not p.fits and tokens and t["name"] in tokens and job.train.batch_size > 1:
+                b = largest_batch(job.train.batch_size, tokens[t["name"]], lambda L: at(L).fits)
+                if b:
+                    reason += (f"; the largest batch that fits packs {b} rows "
+                               f"(train.batch_size: {b}, or raise train.grad_accumulation)")
             per[cls] = {"fits": p.fits, "segment_size": p.segment_size,
                         "predicted_gb": round(p.predicted_gb, 4), "source": p.source,
-                        "reason": p.reason}
+                        "reason": reason}
         rows.append({"trial": t["name"], "params": t["params"], "seq_len": t["seq_len"],
                      "classes": per})
     return rows
+
+
+def largest_batch(batch_size: int, tokens, fits) -> int | None:
+    """The largest b < batch_size whose step (`tokens(b)` tokens, packed) `fits`,
+    or None: where not even b = 1 fits, or the batch's rows do not pack (every b
+    gives the step of batch_size, which does not fit). A longer sequence never
+    needs less memory (predict_gb counts the worst length up to it), so fitting
+    holds for every b up to some size: found by bisection, a plan at each of
+    log2(batch_size) lengths."""
+    full = tokens(batch_size)
+    lo, hi = 0, batch_size   # fits(tokens(lo)) (lo = 0: none yet); not fits(tokens(hi))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        L = tokens(mid)
+        if L < full and fits(L):
+            lo = mid
+        else:
+            hi = mid
+    return lo or None

@@ -74,8 +74,16 @@ def request(job: JobSpec, info: planner.ModelInfo, *, seq_lens: list[int], sizes
                 prefix_shared=job.prefix_shared, method_key=planner.method_key(job),
                 lora=job.lora.model_dump(), head_chunk=job.memory.head_chunk,
                 attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk, steps=steps,
-                classes=classes,
+                pack_rows=pack_rows(job), classes=classes,
                 seq_lens=seq_lens, sizes=sizes)
+
+
+def pack_rows(job: JobSpec) -> int:
+    """Rows a probe packs into its sequence: the job's micro-batch where it packs
+    (data.pack not false, batch_size > 1, no LoRA dropout), else 1 (one row of the
+    point's length). The engine still trains a family it cannot pack unpacked."""
+    packs = job.data.pack is not False and job.lora.dropout == 0
+    return job.train.batch_size if packs and job.train.batch_size > 1 else 1
 
 
 def wait(get_status, on_change, poll_s: float = 0.5) -> dict:

@@ -29,6 +29,10 @@ class Start(Event):
     truncated: int                 # rows cut to max_seq_length
     skipped: int                   # rows dropped for length
     trainable_params: int
+    batch_size: int = 1            # rows per micro-batch
+    grad_accumulation: int = 1     # micro-batches per step
+    packed: bool = False           # whether a micro-batch's rows run packed into sequences
+    pack_reason: Optional[str] = None  # data.pack auto: why the rows run unpacked here
 
 
 class Step(Event):
@@ -51,6 +55,11 @@ class Step(Event):
     prefix_shared: Optional[bool] = None   # False: the row fell back to two branches
     chosen_reward: Optional[float] = None      # DPO only
     rejected_reward: Optional[float] = None    # DPO only
+    rows: int = 1                  # rows in the step (batch_size x grad_accumulation)
+    sequences: int = 1             # sequences they ran as (fewer than rows when packed)
+    seq_tokens: Optional[int] = None   # tokens of those sequences, every row's whole length
+    # packed: the sequences' tokens over sequences x pack_length (how full they are)
+    pack_efficiency: Optional[float] = None
 
 
 class Phase(Event):

@@ -17,3 +17,19 @@ ROWWISE_FAMILIES = frozenset({
     "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_vl", "seed_oss", "smollm3",
     "solar_open", "stablelm", "starcoder2", "telechat3",
 })
+
+
+# The families whose rows the engine packs into one sequence exactly (engine/step.py
+# `pack_refusal`: rows packed and apart give the same log-probs). `data.pack: true`
+# on any other family is refused at validate; `auto` trains it unpacked. The family
+# walk checks this list against the engine's verdict.
+PACKABLE_FAMILIES = frozenset({
+    "Klear", "apertus", "cohere", "cohere2", "deepseek", "deepseek_v3", "deepseek_v32",
+    "dots1", "ernie4_5", "ernie4_5_moe", "gear", "gemma", "gemma2", "gemma3", "gemma3_text",
+    "gemma4", "gemma4_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granite",
+    "granitemoe", "helium", "hunyuan_v1_dense", "internlm3", "kimi_vl", "laguna", "llama",
+    "mellum", "mimo", "minicpm", "minimax", "mistral3", "mixtral", "nanbeige", "nemotron",
+    "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "pixtral", "qwen2", "qwen2_moe", "qwen2_vl",
+    "qwen3", "qwen3_moe", "qwen3_vl", "seed_oss", "smollm3", "solar_open", "stablelm",
+    "starcoder2", "telechat3", "youtu_llm",
+})

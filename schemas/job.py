@@ -10,7 +10,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from .defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_LENGTH,
                        DEFAULT_MLP_CHUNK)
-from .limits import (MAX_HIDDEN, MAX_LAYERS, MAX_MEMORY_GB, MAX_NAME_CHARS, MAX_SEED, MAX_STEPS,
+from .limits import (MAX_BATCH, MAX_HIDDEN, MAX_LAYERS, MAX_MEMORY_GB, MAX_NAME_CHARS, MAX_SEED, MAX_STEPS,
                      MAX_TOKENS, NAME_PATTERN, check_path)
 from .names import DEMO_ARCHS, METHODS  # noqa: F401 (re-exported)
 from .yamlspec import did_you_mean, load_yaml, validate
@@ -34,6 +34,22 @@ class DataSpec(Strict):
                                 description="tokens per row at most")
     overlong: Literal["truncate", "skip"] = Field(
         "truncate", description="what happens to a longer row; counted in telemetry either way")
+    pack: Union[bool, Literal["auto"]] = Field(
+        "auto", description="a step's rows run as few sequences as possible, each row attending "
+                            "only to itself, positions restarting per row (the same gradients as "
+                            "unpacked); auto = wherever the family packs exactly, true = refuse a "
+                            "family that cannot, false = one sequence per row")
+    pack_length: Optional[int] = Field(None, ge=2, le=MAX_TOKENS,
+                                       description="tokens per packed sequence at most; null = "
+                                                   "max_seq_length (a row longer than this runs alone)")
+
+    @model_validator(mode="after")
+    def _pack_holds_a_row(self):
+        if self.pack_length is not None and self.pack_length < self.max_seq_length:
+            raise ValueError(f"pack_length {self.pack_length} is shorter than a row may be "
+                             f"(max_seq_length {self.max_seq_length}, overlong: {self.overlong}): "
+                             f"use pack_length >= {self.max_seq_length} or a smaller max_seq_length")
+        return self
 
 
 class LoraSpec(Strict):
@@ -55,9 +71,18 @@ class EarlyStopSpec(Strict):
 
 
 class TrainSpec(Strict):
-    iters: Optional[int] = Field(None, ge=1, le=MAX_STEPS, description="optimizer steps (one row each)")
+    iters: Optional[int] = Field(None, ge=1, le=MAX_STEPS,
+                                 description="optimizer steps (batch_size x grad_accumulation rows each)")
     epochs: Optional[int] = Field(None, ge=1, le=MAX_STEPS,
                                   description="passes over the data instead of iters")
+    batch_size: int = Field(1, ge=1, le=MAX_BATCH,
+                            description="rows per micro-batch (mlx-lm's batch_size); a step's loss "
+                                        "is the mean over every supervised token of its rows (ORPO, "
+                                        "DPO: the mean of the rows' losses)")
+    grad_accumulation: int = Field(1, ge=1, le=MAX_BATCH,
+                                   description="micro-batches per optimizer step (mlx-lm's "
+                                               "grad_accumulation_steps): the step's gradient is "
+                                               "exactly that of all their rows as one batch")
     learning_rate: float = Field(1e-4, gt=0)
     schedule: Literal["constant", "cosine"] = "constant"
     warmup: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup steps")
@@ -81,6 +106,10 @@ class TrainSpec(Strict):
         if self.iters is not None and self.epochs is not None:
             raise ValueError("give iters or epochs, not both")
         return self
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.grad_accumulation
 
     @model_validator(mode="after")
     def _early_stop_needs_evals(self):
@@ -277,6 +306,9 @@ class JobSpec(Strict):
     def _modes(self):
         if self.memory.grad_checkpoint and self.memory.segment_size not in (0,):
             raise ValueError("memory.grad_checkpoint needs memory.segment_size 0")
+        if self.data.pack is True and self.lora.dropout > 0:
+            raise ValueError("data.pack: true needs lora.dropout 0: a packed sequence draws other "
+                             "dropout masks than its rows apart (use pack: auto or false)")
         if self.train.early_stop is not None and not self.data.valid:
             raise ValueError("train.early_stop needs data.valid (the validation set it watches)")
         return self

@@ -46,6 +46,7 @@ MAX_RETRIES = 100              # a sweep's retries per trial
 MAX_PRIORITY = 1_000_000       # a sweep's priority, either sign (state.db keeps 64-bit integers)
 MAX_TOKENS = 1 << 24           # max_seq_length, head_chunk, attn_block
 MAX_STEPS = 1_000_000_000      # iters, epochs, warmup, eval_every, checkpoint_every, val_batches
+MAX_BATCH = 4096               # train.batch_size rows and train.grad_accumulation micro-batches
 MAX_SEED = 2**32 - 1           # train.seed (the engine seeds MLX with seed * 1000003 + step)
 MAX_MEMORY_GB = 65_536         # a node's or a job's memory budget
 MAX_PORT = 65_535              # the head's port (1 ..)

@@ -74,6 +74,9 @@ class ProbeSpec(BaseModel):
     points: list[tuple[int, int]]    # (seq_len, segment_size), measured in this order
     steps: int = Field(3, ge=1, description="steps per point; the first is not timed")
     seed: int = 0
+    # > 1: each point is a step of this many rows packed into one sequence of its
+    # length (a job that packs its batch_size rows), where the model packs exactly
+    pack_rows: int = Field(1, ge=1)
 
 
 class AttemptResult(BaseModel):

@@ -33,6 +33,10 @@ STEPS = pa.schema([
     ("prefix_shared", pa.bool_()),    # ORPO / DPO: false = the step ran two branches
     ("chosen_reward", pa.float64()),  # DPO only: beta * (log p - reference log p) of chosen
     ("rejected_reward", pa.float64()),  # DPO only: the same of rejected
+    ("rows", pa.int64()),             # rows in the step (batch_size x grad_accumulation)
+    ("sequences", pa.int64()),        # sequences they ran as (fewer when packed)
+    ("seq_tokens", pa.int64()),       # tokens of those sequences (tokens_per_s counts supervised)
+    ("pack_efficiency", pa.float64()),  # packed: seq_tokens / (sequences x pack_length)
 ])
 
 # One row per evaluation (the engine's `eval` event).

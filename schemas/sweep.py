@@ -26,7 +26,8 @@ from .errors import SpecError
 from .job import JobSpec, PathStr, ReportTo, Strict, resolve_trackers
 from .limits import (MAX_NAME_CHARS, MAX_PRIORITY, MAX_RETRIES, MAX_STEPS, MAX_SWEEP_NAME_CHARS,
                      MAX_TRIALS, NAME_PATTERN, one_line, path_problem)
-from .yamlspec import did_you_mean, line_of, load_yaml, node_at, not_a_mapping, problem
+from .yamlspec import (did_you_mean, line_of, load_yaml, mlx_lm_says, node_at, not_a_mapping,
+                       problem)
 
 DISTRIBUTIONS = ("log_uniform", "uniform", "choice")
 # Job keys holding paths: resolved against the folder of the file that wrote them.
@@ -363,9 +364,20 @@ def _check_key(key: str, where: str, path: Path, line: int, problems: _Problems)
         return False
     keys = [k for k in job_keys() if k not in SET_BY_FLEET]
     if key not in keys:
-        problems.add(f"{path}:{line}: {where}: unknown job key" + did_you_mean(key, keys))
+        hint = mlx_lm_says(_first_unknown(key, keys))
+        problems.add(f"{path}:{line}: {where}: unknown job key" + (hint or did_you_mean(key, keys)))
         return False
     return True
+
+
+def _first_unknown(key: str, keys: list[str]) -> str:
+    """The part of a dotted key that is no job key at its place: `train.grad_accumulation_steps`
+    -> grad_accumulation_steps, `lora_parameters.rank` -> lora_parameters (what an
+    mlx-lm config's key is looked up by)."""
+    known = {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 2)}
+    parts = key.split(".")
+    return next((p for i, p in enumerate(parts) if ".".join(parts[:i + 1]) not in known),
+                parts[-1])
 
 
 def _grid_points(spec, path, root, problems) -> list[dict[str, tuple[Any, Origin]]]:

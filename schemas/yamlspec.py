@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import SpecError
 from .limits import MAX_SPEC_BYTES, MAX_YAML_DEPTH, one_line, read_bounded
+from .mlx_lm_keys import MLX_LM_KEYS
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -110,7 +111,8 @@ def _problem(path: Path, model: type[BaseModel], node, err: dict, prefix: str = 
     msg = err["msg"]
     if err["type"] == "extra_forbidden" and loc:
         choices = _fields_at(model, loc[:-1])
-        msg = "unknown key" + did_you_mean(str(loc[-1]), choices)
+        hint = mlx_lm_says(str(loc[-1])) if _is_job(model) else None
+        msg = "unknown key" + (hint or did_you_mean(str(loc[-1]), choices))
     elif err["type"] == "missing":
         line = _line_of(node, loc[:-1])
         msg = "required key is missing"
@@ -142,6 +144,20 @@ def problem(path: str | Path, model: type[BaseModel], node, err: dict, prefix: s
     `file:line: key: message`; `prefix` goes before the key (e.g. "job." for a
     model that sits under that key of the file)."""
     return _problem(Path(path), model, node, err, prefix)
+
+
+def _is_job(model) -> bool:
+    # only a job takes mlx-lm's keys' hints: in a cluster file they would mislead
+    from .job import JobSpec   # here: job.py imports this module
+    return model is JobSpec
+
+
+def mlx_lm_says(word: str) -> str | None:
+    """": mlx-lm's KEY is segctl's X" for a key of mlx-lm's LoRA config that means
+    something in segctl (schemas/mlx_lm_keys.py), else None. Its flags' spelling
+    (grad-accumulation-steps) counts too."""
+    key = word.replace("-", "_")
+    return f": mlx-lm's {word} {MLX_LM_KEYS[key]}" if key in MLX_LM_KEYS else None
 
 
 def did_you_mean(word: str, choices: list[str]) -> str:

@@ -1,4 +1,5 @@
-"""Every decoder family of the installed mlx-lm trains exactly or is refused.
+"""Every decoder family of the installed mlx-lm trains exactly or is refused,
+and packs exactly or says why it cannot.
 
 The families are found by walking `mlx_lm.models` (tests/zoo.py), not listed by
 hand. For each one that builds as a tiny random model (fp32, windows of 8
@@ -17,7 +18,8 @@ import pytest
 
 from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import ModelError, check_length, model_parts
-from segctl.schemas.families import ROWWISE_FAMILIES
+from segctl.engine.step import pack_refusal
+from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
 from tests.zoo import families, tiny_model
 from tests.conftest import WIDE, random_lora
 
@@ -78,6 +80,30 @@ def test_family_trains_exactly_or_is_refused(family):
         assert grads.keys() == ref.keys()
         worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
         assert worst <= TOL, (family, seg, worst)
+    _packs_exactly_or_says_why(model, parts, family, ids, n)
+
+
+def _packs_exactly_or_says_why(model, parts, family, ids, n):
+    """Rows packed into one sequence (the long row past every window, and two
+    shorter ones) train as the same rows apart under plain autodiff, or the
+    engine says in one line why this family cannot be packed; the planner's list
+    of packable families is that verdict."""
+    why = pack_refusal(parts)
+    assert (why is None) == (family in PACKABLE_FAMILIES), (family, why)
+    if why is not None:
+        assert "\n" not in why
+        return
+    batch = [Example(ids, n // 4), Example(ids[:n // 3], 2), Example(ids[-7:], 0)]
+    loss0, ref = loss_and_grads(model, batch, segment_size=0, pack=False)
+    for seg in (1, 2):
+        metrics: dict = {}
+        loss, grads = loss_and_grads(model, batch, segment_size=seg, attn_block=BLOCK,
+                                     mlp_chunk=CHUNK, pack=True, pack_length=2 * n, parts=parts,
+                                     metrics=metrics)
+        assert metrics["sequences"] == 1
+        assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, seg)
+        worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
+        assert worst <= TOL, (family, "packed", seg, worst)
 
 
 # The families named in the README's table as trained exactly, beyond the zoo-wide
