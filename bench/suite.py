@@ -182,6 +182,13 @@ PLANS = {
 }
 
 
+# Plans that also measure training throughput on a length mix (bench.throughput, its
+# own configurations, a process each): its rows follow the plan's.
+THROUGHPUT = {
+    "mac": ["--shape", "qwen3-0.6b", "--warm-pass"],
+}
+
+
 # bench.engine flags that are argparse.BooleanOptionalAction: False renders --no-FLAG
 # (elsewhere False means "leave the flag out").
 NEGATABLE = {"tie"}
@@ -222,6 +229,9 @@ def main(plan: str, seqs: list[int] | None = None, baseline: str | None = None) 
             row["wall_s"] = round(time.time() - tic, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
+    if plan in THROUGHPUT and not seqs:
+        from bench import throughput
+        rows += throughput.main(throughput.parse(THROUGHPUT[plan]))   # prints its rows
     return rows
 
 
@@ -269,7 +279,11 @@ def _ratio(mine, base) -> str:
 def table(rows: list[dict]) -> str:
     """The rows as Markdown tables, one per model shape and length, in the order
     they came; ratios against that group's mlx-lm (or mlx-lm-lora) grad_checkpoint
-    row of the same code (this tree's or --baseline's)."""
+    row of the same code (this tree's or --baseline's). bench.throughput's rows
+    (the mac plan's) follow in its own table."""
+    from bench import throughput
+    rates = [r for r in rows if r.get("bench") == "throughput"]
+    rows = [r for r in rows if r.get("bench") != "throughput"]
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(_shape(row), []).append(row)
@@ -296,15 +310,29 @@ def table(rows: list[dict]) -> str:
                      *ratios]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    if rates:
+        out.append(throughput.table(rates))
     return "\n".join(out)
 
 
 def _read_rows(path: str) -> list[dict]:
-    """A JSON-lines file of suite rows; a line that is not one is a one-line error."""
+    """A JSON-lines file of suite rows (bench.engine's, and the mac plan's
+    bench.throughput rows)."""
+    def why_not(row):
+        if row.get("bench") == "throughput":
+            return None
+        missing = [k for k in _SHAPE_KEYS if k not in row]
+        return f"not a bench.engine row (no {', '.join(missing)})" if missing else None
+    return read_rows(path, "bench.suite table", why_not)
+
+
+def read_rows(path: str, prog: str, why_not) -> list[dict]:
+    """The rows of a JSON-lines file; a line that is not a JSON object, or that
+    `why_not(row)` gives a reason against, is a one-line error (exit 2)."""
     try:
         lines = open(path).read().splitlines()
     except OSError as e:
-        _fail(f"bench.suite table: {path}: {e.strerror}")
+        _fail(f"{prog}: {path}: {e.strerror}")
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -312,11 +340,10 @@ def _read_rows(path: str) -> list[dict]:
         try:
             row = json.loads(line)
         except ValueError as e:
-            _fail(f"bench.suite table: {path}, line {n}: not JSON ({e})")
-        missing = [k for k in _SHAPE_KEYS if not isinstance(row, dict) or k not in row]
-        if missing:
-            _fail(f"bench.suite table: {path}, line {n}: not a bench.engine row "
-                  f"(no {', '.join(missing)})")
+            _fail(f"{prog}: {path}, line {n}: not JSON ({e})")
+        why = why_not(row) if isinstance(row, dict) else "not a JSON object"
+        if why:
+            _fail(f"{prog}: {path}, line {n}: {why}")
         rows.append(row)
     return rows
 

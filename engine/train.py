@@ -84,7 +84,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     optimizer = make_optimizer(lr, job.train.weight_decay)
     start_step, best = 0, BestSoFar()
     if ckpt is not None:
-        start_step, best = load_checkpoint(ckpt, model, optimizer)
+        start_step, best = load_checkpoint(ckpt, model, optimizer, per_step)
 
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "adapter_config.json", adapter_config)
@@ -155,7 +155,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                 break
         if job.train.checkpoint_every and step % job.train.checkpoint_every == 0 and step < total:
             path = save_checkpoint(out, step, model, optimizer, adapter_config, job.train.seed,
-                                   best)
+                                   best, rows_per_step=per_step)
             emit(ev.Checkpoint(time=clock(), step=step, path=str(path)))
 
     if scratch:
@@ -365,7 +365,7 @@ def restore_best(out: Path, ckpt: Path | None, best: BestSoFar) -> BestSoFar:
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer, adapter_config: dict,
-                    seed: int, best: BestSoFar, keep: int = 3) -> Path:
+                    seed: int, best: BestSoFar, keep: int = 3, rows_per_step: int = 1) -> Path:
     """adapter + optimizer state + step/data position (+ the best eval so far and its
     adapter), written to a temp folder and renamed into place, so a crash never leaves
     a half checkpoint."""
@@ -379,9 +379,10 @@ def save_checkpoint(out: Path, step: int, model, optimizer, adapter_config: dict
     _write_json(tmp / "adapter_config.json", adapter_config)
     if best.step is not None:
         write_atomic(tmp / BEST_ADAPTER, (out / BEST_ADAPTER).read_bytes())
-    # Data position is the step (the order is a function of seed and epoch);
+    # Data position is the rows the steps took (the order is a function of seed and epoch);
     # the RNG is reseeded from (seed, step) every step.
-    _write_json(tmp / "state.json", {"step": step, "data_position": step, "seed": seed,
+    _write_json(tmp / "state.json", {"step": step, "data_position": step * rows_per_step,
+                                     "rows_per_step": rows_per_step, "seed": seed,
                                      "rng": "mx.random.seed(seed * 1000003 + step)",
                                      **best.state()})
     shutil.rmtree(final, ignore_errors=True)
@@ -397,13 +398,20 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, model, optimizer) -> tuple[int, BestSoFar]:
-    """Loads the adapter and optimizer state; returns the step and the best eval so far."""
+def load_checkpoint(path: Path, model, optimizer, rows_per_step: int = 1) -> tuple[int, BestSoFar]:
+    """Loads the adapter and optimizer state; returns the step and the best eval so far.
+    A checkpoint of another number of rows a step is refused before anything is
+    loaded: its steps would not be this job's (the data order would shift)."""
+    saved = json.loads((path / "state.json").read_text())
+    theirs = int(saved.get("rows_per_step", 1))   # a checkpoint from before batches: 1
+    if theirs != rows_per_step:
+        raise OutputError(f"{path}: checkpoint of {theirs} row(s) a step, the job trains "
+                          f"{rows_per_step} (train.batch_size x grad_accumulation): resume with "
+                          "the batch it was made with, or start a new output")
     model.load_weights(list(mx.load(str(path / ADAPTER)).items()), strict=False)
     state = mx.load(str(path / "optimizer.safetensors"))
     optimizer.state = tree_unflatten(list(state.items()))
     mx.eval(model.parameters(), optimizer.state)
-    saved = json.loads((path / "state.json").read_text())
     return int(saved["step"]), BestSoFar.from_state(saved)
 
 

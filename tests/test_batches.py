@@ -235,3 +235,25 @@ def test_a_tune_probe_of_a_packing_job_measures_a_packed_step(tiny_models):
         [probe] = seen
         assert probe.fits and probe.steps == 2, probe.message
         assert sum(label.startswith("bwd") for label, _ in probe.phases) == 3   # 5 layers, segments of 2
+
+
+def test_resume_goes_on_with_the_batch_it_was_made_with(demo_dir, tmp_path):
+    """A checkpoint records its rows a step: the same batch resumes where it was,
+    another is one line (its steps would not be this job's), nothing written."""
+    from tests.test_train_cli import copy_demo
+    job = copy_demo(demo_dir, tmp_path)
+    edit_job(job, train={"iters": 3, "batch_size": 2, "eval_every": 0, "checkpoint_every": 1})
+    _events(segctl("train", job, "--json"))
+    ckpts = sorted((tmp_path / "out" / "checkpoints").glob("step-*"))
+    state = json.loads((ckpts[-1] / "state.json").read_text())
+    assert (state["step"], state["data_position"], state["rows_per_step"]) == (2, 4, 2)
+    before = sorted(p.name for p in (tmp_path / "out").rglob("*"))
+    edit_job(job, train={"iters": 4, "grad_accumulation": 2})
+    err = assert_one_line_error(segctl("train", job, "--resume"), "checkpoint of 2 row(s) a step",
+                                "the job trains 4")
+    assert "step-0000002" in err
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == before
+    edit_job(job, train={"grad_accumulation": 1})
+    events = _events(segctl("train", job, "--resume", "--json"))
+    assert events[0]["resumed_from"] == 2 and [e["step"] for e in events
+                                               if e["event"] == "step"] == [3, 4]

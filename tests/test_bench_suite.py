@@ -37,9 +37,19 @@ def test_the_mac_plan_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, caps
             cfg["offload"] = str(tmp_path / "offload")
         tiny.append(cfg)
     monkeypatch.setitem(suite.PLANS, "mac-tiny", tiny)
+    # and the mac plan's throughput rows (bench.throughput), tiny too
+    monkeypatch.setitem(suite.THROUGHPUT, "mac-tiny", [
+        "--layers", "2", "--dim", "64", "--vocab", "256", "--rows", "4", "--min-len", "8",
+        "--median", "24", "--max-len", "64", "--pack-length", "64",
+        "--configs", "mlx-lm:b4,segctl:b4:packed:s0", "--warm-pass"])
     suite.cli(["mac-tiny"])
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
+    rates = [r for r in rows if r.get("bench") == "throughput"]
+    assert [r["config"] for r in rates] == ["mlx-lm:b4", "segctl:b4:packed:s0"]
+    assert not [r for r in rates if "error" in r] and all(r["warm_pass"] for r in rates)
+    assert "| segctl batch 4, packed, plain |" in err and "vs mlx-lm batch 4" in err
+    rows = [r for r in rows if r.get("bench") != "throughput"]
     assert len(rows) == len(suite.PLANS["mac"])
     assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
     assert {r["impl"] for r in rows} == {"mlx-lm", "segctl"}

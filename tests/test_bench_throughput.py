@@ -1,0 +1,106 @@
+"""bench/throughput.py end to end at a tiny size: each configuration in its own
+process, both implementations over the same rows and the same supervised tokens,
+the same first-step loss, the table, and bad input as one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import throughput
+
+# 2 layers x 64, 8 rows of 32..64 tokens (median 40), packed sequences of <= 128
+TINY = ["--layers", "2", "--dim", "64", "--vocab", "512", "--rows", "8", "--median", "40",
+        "--max-len", "64", "--pack-length", "128"]
+CONFIGS = ["mlx-lm:b1", "mlx-lm:b4", "segctl:b1:unpacked:s0", "segctl:b4:unpacked:s2",
+           "segctl:b4:packed:s2", "segctl:b4:auto:s0"]
+
+
+def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
+    throughput.cli(TINY + ["--configs", ",".join(CONFIGS)])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["config"] for r in rows] == CONFIGS
+    assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
+    by = {r["config"]: r for r in rows}
+
+    # every configuration saw every row once, and the loss read the same tokens:
+    # mlx-lm's mask (its default_loss) counts exactly segctl's supervised tokens
+    args = throughput.parse(TINY + ["--configs", ",".join(CONFIGS)])
+    mix = throughput.mix_stats(throughput.make_rows(8, 40, 0.6, 32, 64, 0, 512))
+    assert mix["longest"] <= 64 and mix["supervised"] > 0
+    for r in rows:
+        assert r["rows_seen"] == 8 and r["supervised_tokens"] == mix["supervised"], r
+        assert r["steps"] == 8 // r["batch"] and r["tokens_per_s"] > 0 and r["peak_gb"] > 0
+        assert r["lengths"]["median"] == 40 and r["lengths"]["tokens"] == mix["tokens"]
+        assert r["layers"] == args.layers == 2 and r["mlx"] and r["mlx_lm"]
+
+    # the same weights and the same first row: the first step's loss agrees
+    want = by["segctl:b1:unpacked:s0"]["loss"]
+    got = by["mlx-lm:b1"]["loss"]
+    assert abs(got - want) <= 1e-3 * abs(want), (got, want)
+    assert all(abs(r["loss"] - want) <= 1e-3 * abs(want) for r in rows), [r["loss"] for r in rows]
+
+    # packing: fewer sequences than rows, no padding; auto resolves to packed on qwen3
+    assert by["segctl:b4:unpacked:s2"]["sequences_per_step"] == 4
+    assert by["segctl:b4:packed:s2"]["sequences_per_step"] < 4
+    assert by["segctl:b4:auto:s0"]["packed"] is True and by["segctl:b4:auto:s0"]["pack"] == "auto"
+    assert 0 < by["mlx-lm:b4"]["pad_efficiency"] < 1
+    assert by["mlx-lm:b4"]["processed_tokens"] > by["segctl:b4:packed:s2"]["processed_tokens"]
+
+    # the table: ratios of tokens/s against mlx-lm batch 4
+    lines = err.splitlines()
+    assert "| configuration | tokens/s | peak GB |" in err
+    assert next(l for l in lines if l.startswith("| mlx-lm batch 4 |")).endswith("| 1 |")
+    base = by["mlx-lm:b4"]["tokens_per_s"]
+    mine = next(l for l in lines if l.startswith("| segctl batch 4, packed, segment 2 |"))
+    assert mine.endswith(f"| {by['segctl:b4:packed:s2']['tokens_per_s'] / base:.2f}x |"), mine
+    assert any(l.startswith("| segctl batch 4, pack auto (packed), plain |") for l in lines)
+    assert "segctl's best:" in err
+
+    # the same table from the saved rows
+    saved = tmp_path / "rows.jsonl"
+    saved.write_text(out)
+    throughput.cli(["table", str(saved)])
+    assert capsys.readouterr().out.strip() == throughput.table(rows).strip()
+    assert throughput.table(rows).strip() in err
+
+
+def test_mlx_lm_lengths_would_read_one_token_past_each_row():
+    """Why the benchmark hands mlx-lm [prompt_len, len - 1]: iterate_batches' own
+    [offset, len] makes default_loss also read the padding after each row."""
+    import mlx.core as mx
+    from mlx_lm.tuner.trainer import default_loss, iterate_batches
+
+    rows = throughput.make_rows(4, 40, 0.6, 32, 64, 0, 512)
+    (arr, lengths), = iterate_batches(rows, 4, 2048)
+    assert arr.shape[1] > max(len(ids) for ids, _ in rows)   # at least one padding column
+    ntoks = lambda lens: default_loss(lambda x: mx.zeros((*x.shape, 512)), arr, lens)[1].item()
+    want = sum(throughput.supervised(r) for r in rows)
+    assert ntoks(lengths) == want + 4
+    assert ntoks(lengths - mx.array([0, 1])) == want
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--batches", "1,x"], "argument --batches: '1,x' is not a comma-separated list"),
+    (["--configs", "segctl:b4:squashed:s0"], "bad configuration 'segctl:b4:squashed:s0'"),
+    (["--rows", "6", "--configs", "mlx-lm:b4"], "--rows 6 is not a multiple of mlx-lm:b4's"),
+    (["--shape", "llama-70b"], "argument --shape: invalid choice: 'llama-70b'"),
+    (["table"], "usage: python -m bench.throughput table ROWS.jsonl"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        throughput.cli(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
+def test_table_refuses_a_file_of_other_rows(tmp_path, capsys):
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text(json.dumps({"arch": "llama", "seq": 64}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        throughput.cli(["table", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == (f"bench.throughput table: {bad}, line 1: "
+                                         "not a bench.throughput row")
