@@ -301,7 +301,8 @@ class FakeEngine:
                 "lr": 2e-4, "grad_norm": 0.5 + self.rng.random(), "peak_gb": self.peak,
                 "active_gb": self.peak * 0.6, "cache_gb": self.peak * 0.1, "margin": None,
                 "accuracy": None, "prefix_shared": None, "chosen_reward": None,
-                "rejected_reward": None}
+                "rejected_reward": None, "rows": 1, "sequences": 1, "seq_tokens": 256,
+                "pack_efficiency": None}
 
     def phase(self, step: int) -> dict:
         return {"time": time.time(), "event": "phase", "step": step,
@@ -367,7 +368,8 @@ class FakeEngine:
         files = {"adapters.safetensors": self.adapter(step)["adapters.safetensors"],
                  "optimizer.safetensors": safetensors(opt),
                  "adapter_config.json": self._config(),
-                 "state.json": json.dumps({"step": step, "data_position": step, "seed": 0,
+                 "state.json": json.dumps({"step": step, "data_position": step,
+                                           "rows_per_step": 1, "seed": 0,
                                            "best_step": best_step}).encode()}
         if best_step:
             files["best_adapters.safetensors"] = self.adapter(best_step)["adapters.safetensors"]
