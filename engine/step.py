@@ -105,8 +105,9 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     """
     parts = parts or model_parts(model, check=False)
     batch = list(example) if isinstance(example, (list, tuple)) else [example]
-    if pack and pack_refusal(parts):
-        raise StepError(f"rows cannot be packed exactly on this model: {pack_refusal(parts)}")
+    why = pack_refusal(parts) if pack else None
+    if why:
+        raise StepError(f"rows cannot be packed exactly on this model: {why}")
     plans = make_plans(batch, method, parts, pack=pack, pack_length=pack_length, micro=micro,
                        prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
                        beta=beta,
@@ -218,8 +219,12 @@ class RowPlan:
     streams: list[Stream]
     loss: Callable[[mx.array, mx.array | None], mx.array]  # (its sums, reference sums) -> loss
     weight: int
-    sums: int                                             # how many sums its streams feed
     report: Callable[[mx.array, mx.array | None], dict] = lambda s, ref: {}
+
+    @property
+    def sums(self) -> int:
+        """How many sums its streams feed (every stream of a row has them all)."""
+        return self.streams[0].member.shape[1]
 
 
 @dataclass
@@ -362,7 +367,7 @@ def _sft_row(ex: Example) -> RowPlan:
                         "has no response tokens to supervise")
     rows = list(range(start, n - 1))
     stream = Stream(ex.ids[:-1], rows, ex.ids[start + 1:], mx.ones((m, 1)))
-    return RowPlan([stream], lambda s, ref: -s[0], m, 1)
+    return RowPlan([stream], lambda s, ref: -s[0], m)
 
 
 def _orpo_row(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -> RowPlan:
@@ -386,7 +391,7 @@ def _orpo_row(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -
         return {"margin": lw - lr, "accuracy": float(lw > lr), "log_odds": log_odds,
                 "nll": (-s[2] / nf).item() if full else -lw, "prefix_shared": shared}
 
-    return RowPlan(streams, loss, 1, 3, report)
+    return RowPlan(streams, loss, 1, report)
 
 
 def _log1mexp(x):
@@ -414,7 +419,7 @@ def _dpo_row(ex: PreferenceExample, parts, prefix_shared, beta) -> RowPlan:
         return {"margin": rw - rr, "accuracy": float(rw > rr), "chosen_reward": rw,
                 "rejected_reward": rr, "prefix_shared": shared}
 
-    return RowPlan(streams, loss, 1, 3, report)
+    return RowPlan(streams, loss, 1, report)
 
 
 def step_report(reports: list[dict]) -> dict:

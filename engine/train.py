@@ -79,6 +79,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     parts = model_parts(model, check=False)
     per_step = job.train.rows_per_step
     pack, pack_reason = packing(job, parts)
+    pack_kw = dict(pack=pack, pack_length=pack_length(job), micro=job.train.batch_size)
     total = job.train.iters or job.train.epochs * -(-len(train_set) // per_step)
     lr = schedule(job.train.learning_rate, job.train.schedule, warmup=job.train.warmup, total=total)
     optimizer = make_optimizer(lr, job.train.weight_decay)
@@ -122,9 +123,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                           attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
                           offload=scratch,
                           grad_checkpoint=job.memory.grad_checkpoint,
-                          grad_clip=job.train.grad_clip, method=method,
-                          pack=dict(pack=pack, pack_length=pack_length(job),
-                                    micro=job.train.batch_size))
+                          grad_clip=job.train.grad_clip, method=method, pack=pack_kw)
         loss = m.loss.item()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
@@ -209,9 +208,10 @@ def packing(job: JobSpec, parts) -> tuple[bool, str | None]:
     leaves them apart). Packing is only ever exact: a model the engine cannot pack
     exactly (`pack_refusal`), or LoRA dropout (a packed sequence would draw other
     masks than its rows apart), trains unpacked under auto and is refused under
-    true."""
+    true. A micro-batch of one row has nothing to pack: no check runs at start-up
+    (the planner's `step_tokens` plans it as one row too)."""
     asked = job.data.pack
-    if asked is False:
+    if asked is False or job.train.batch_size == 1:
         return False, None
     why = pack_refusal(parts)
     if why is None and job.lora.dropout > 0:

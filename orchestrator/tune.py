@@ -80,9 +80,10 @@ def request(job: JobSpec, info: planner.ModelInfo, *, seq_lens: list[int], sizes
 
 def pack_rows(job: JobSpec) -> int:
     """Rows a probe packs into its sequence: the job's micro-batch where it packs
-    (data.pack not false, batch_size > 1, no LoRA dropout), else 1 (one row of the
-    point's length). The engine still trains a family it cannot pack unpacked."""
-    packs = job.data.pack is not False and job.lora.dropout == 0
+    (planner.packs; batch_size > 1), else 1 (one row of the point's length). The
+    family is left to the node: its probe checks the model it loads, and one
+    that cannot pack probes one row, as it trains."""
+    packs = planner.packs(job, packable=True)
     return job.train.batch_size if packs and job.train.batch_size > 1 else 1
 
 
