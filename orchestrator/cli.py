@@ -486,17 +486,23 @@ def submit(sweep_file: Path, cluster_file, detach: bool, as_json: bool):
         click.echo(sid)
         return
     click.echo(f"sweep {sid}: {len(payload['trials'])} trials", err=True)
-    sys.exit(_follow(_root(spec), sid, as_json))
+    sys.exit(_follow(_root(spec), sid, as_json, head))
 
 
-def _follow(root: Path, sid: str, as_json: bool) -> int:
-    """Show the sweep until it stops running; the exit code says how it went."""
+HEAD_CHECK_S = 10   # _follow: how often it asks whether the head still runs
+
+
+def _follow(root: Path, sid: str, as_json: bool, head=None) -> int:
+    """Show the sweep until it stops running; the exit code says how it went. A
+    head that dies meanwhile (state.db would say RUNNING for ever) ends the wait
+    with a line saying how to go on."""
     import time as _time
     from segctl.orchestrator import state
     from segctl.schemas.states import SweepState, TrialState
     db = state.read(root / "state.db")
     seen = 0
     live = None
+    checked = _time.monotonic()
     if not as_json and sys.stdout.isatty():
         from rich.live import Live
         live = Live(refresh_per_second=2)
@@ -512,6 +518,12 @@ def _follow(root: Path, sid: str, as_json: bool) -> int:
                     click.echo(json.dumps(e) if as_json else views.transition_line(e))
             if sw["state"] != SweepState.RUNNING:
                 break
+            if head is not None and _time.monotonic() - checked > HEAD_CHECK_S:
+                checked = _time.monotonic()
+                if not _head_alive(head):
+                    click.echo(f"the head stopped while sweep {sid} ran: `segctl resume {sid}` "
+                               "continues it", err=True)
+                    return 1
             _time.sleep(0.5)
     except KeyboardInterrupt:
         click.echo(f"\nleft sweep {sid} running: segctl status {sid}", err=True)
@@ -676,7 +688,19 @@ def resume(sweep, cluster_file, detach: bool, as_json: bool):
     click.echo(f"sweep {sweep}: {info['state'].lower()}, {info['unfinished']} unfinished trial(s)",
                err=True)
     if not detach and info["state"] == SweepState.RUNNING:
-        sys.exit(_follow(_root(spec), sweep, as_json))
+        sys.exit(_follow(_root(spec), sweep, as_json, head))
+
+
+def _head_alive(head) -> bool:
+    """False once the head actor is dead; a head too busy to answer in time is alive."""
+    import ray
+    try:
+        ray.get(head.ping.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.GetTimeoutError:
+        pass
+    return True
 
 
 @main.command()
@@ -694,7 +718,7 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     best eval where it had a validation set, else its last; OUT/manifest.json lists
     trial, parameters, metrics, which adapter ("best" or "last") from which step, and
     the sha256 of every file."""
-    from segctl.orchestrator.gather import gather as do_gather
+    from segctl.orchestrator.gather import Mismatch, gather as do_gather
     from segctl.orchestrator.stores import Stores
     from segctl.schemas.states import TrialState
     if best is not None and best < 1:
@@ -705,6 +729,8 @@ def gather(sweep, out: Path, best, metric, cluster_file):
         _fail(f"sweep {sweep} has no succeeded trial to gather")
     try:
         path = do_gather(Stores(root), trials, out, best=best, metric=metric)
+    except Mismatch as e:   # damaged stores, not bad input
+        _fail(str(e), EXIT_INTERNAL)
     except (ValueError, FileExistsError) as e:
         _fail(str(e))
     n = len(json.loads((path / "manifest.json").read_text()))
@@ -727,14 +753,22 @@ def report(sweep, out, gathered, best: int, cluster_file):
     against each node's budget and the planner's prediction, the attempts per node
     over time (out-of-memory re-plans and lost nodes marked), each swept parameter
     against the best val loss, and the best adapters. Reads only the stores."""
+    from segctl.orchestrator.gather import Mismatch
     from segctl.orchestrator.report import collect, render
     from segctl.schemas.atomic import write_atomic
+    out = out or Path(f"{sweep}.html")
+    if not out.parent.is_dir():   # refused before the stores are read
+        _fail(f"--out {out}: folder {out.parent} does not exist")
     try:
         data = collect(_root(_cluster(cluster_file)), sweep, gathered=gathered, best=best)
+    except Mismatch as e:   # damaged stores or gathered folder, not bad input
+        _fail(str(e), EXIT_INTERNAL)
     except (FileNotFoundError, KeyError, ValueError) as e:
         _fail(_says(e))
-    out = out or Path(f"{sweep}.html")
-    write_atomic(out, render(data), mode=0o600)   # who trained what is the owner's alone
+    try:
+        write_atomic(out, render(data), mode=0o600)   # who trained what is the owner's alone
+    except OSError as e:
+        _fail(f"--out {out}: cannot write there ({e.strerror or e})")
     click.echo(f"wrote {out}: {len(data['trials'])} trials, {out.stat().st_size:,} bytes")
 
 

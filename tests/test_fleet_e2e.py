@@ -232,9 +232,13 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
     # t001 is long enough to be mid-run when the head goes away
     path = _sweep(fleet, "resume", train={"checkpoint_every": 5}, concurrency=1,
                   placement={"pool": "b"}, grid={"train.iters": [8, 120, 8]})
-    proc = segctl("submit", path, "--cluster", fleet["cluster"], "--detach")
-    assert proc.returncode == 0, proc.stderr
-    sid = proc.stdout.strip()
+    # submitted and followed, as a user does: the head's death ends the wait below
+    follower = subprocess.Popen([sys.executable, "-m", "segctl.orchestrator.cli", "submit", path,
+                                 "--cluster", fleet["cluster"], "--json"], env=cli_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = follower.stderr.readline()   # "sweep resume-1: 3 trials"
+    assert first.startswith("sweep "), first
+    sid = first.split()[1].rstrip(":")
     t0, t1, t2 = (f"{sid}-t{i:03d}" for i in range(3))
     c = segctl("cancel", t2, "--cluster", fleet["cluster"])
     assert c.returncode == 0 and t2 in c.stdout, c.stderr
@@ -242,12 +246,25 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
           and sw["trials"][1]["attempts"] and (sw["trials"][1]["attempts"][-1]["step"] or 0) >= 12)
 
     # The head goes away mid-trial (its actor killed, as a crash or restart would).
+    # ray.kill returns before the actor is dead: wait until its name is free, or
+    # `resume` could still reach the dying head and no new one would start.
     kill = ("from orchestrator import fleet; from schemas.cluster import load_cluster; import ray;"
+            "import time;"
             f"fleet.connect(load_cluster('{fleet['cluster']}'), start=False);"
-            "ray.kill(ray.get_actor('segctl-head', namespace='segctl'))")
+            "ray.kill(ray.get_actor('segctl-head', namespace='segctl'));"
+            "end = time.monotonic() + 60\n"
+            "while time.monotonic() < end:\n"
+            "    try: ray.get_actor('segctl-head', namespace='segctl')\n"
+            "    except ValueError: break\n"
+            "    time.sleep(0.2)\n"
+            "else: raise SystemExit('the killed head still answers to its name')")
     k = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True,
                        env=cli_env(), timeout=120)
     assert k.returncode == 0, k.stderr[-2000:]
+    # the follower notices within a check or two and says how to go on
+    assert follower.wait(timeout=90) == 1
+    said = follower.stderr.read()
+    assert f"`segctl resume {sid}` continues it" in said and "Traceback" not in said, said
 
     r = segctl("resume", sid, "--cluster", fleet["cluster"], "--json", timeout=300)
     assert r.returncode == 1, r.stderr[-2000:]     # one trial was cancelled
