@@ -20,6 +20,7 @@ segctl.memory_gb / segctl.os plus the user's; the head has `segctl_head` = 1.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from segctl.schemas.atomic import write_atomic
 from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS
+from segctl.schemas.limits import MAX_MEMORY_GB
 
 from .probe import Hardware, ray_env
 
@@ -53,6 +55,10 @@ _LABEL_RE = re.compile(r"([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
 def node_labels(name: str, chip: str, memory_gb: float, os_name: str, labels: dict,
                 max_trials: int = DEFAULT_NODE_MAX_TRIALS) -> dict:
     """The labels of a segctl training node: ours, then the user's (keys as written)."""
+    if not (isinstance(memory_gb, (int, float)) and math.isfinite(memory_gb)
+            and 0 < memory_gb <= MAX_MEMORY_GB):   # the head would ignore such a node
+        raise ValueError(f"memory_gb {memory_gb!r}: expected a finite number of GB > 0 and at "
+                         f"most {MAX_MEMORY_GB}")
     ours = {f"{LABEL}name": name, f"{LABEL}chip": chip, f"{LABEL}memory_gb": f"{memory_gb:g}",
             f"{LABEL}os": os_name, f"{LABEL}max_trials": str(int(max_trials))}
     out = dict(ours, **{str(k): str(v) for k, v in (labels or {}).items()})

@@ -38,11 +38,11 @@ class _Group(click.Group):
     def invoke(self, ctx):
         import sqlite3
 
-        from segctl.orchestrator.state import OPENED, StateError, unusable
+        from segctl.orchestrator.state import OPENED, StoreError, unusable
         try:
             return super().invoke(ctx)
-        except StateError as e:   # a corrupt or locked state.db, from whichever command
-            _fail(str(e))
+        except StoreError as e:   # a corrupt or locked state.db or staging.db, named
+            _fail(str(getattr(e, "cause", None) or e))   # (the head's own, by its cause)
         except sqlite3.DatabaseError as e:   # ... found only at a later query
             _fail(str(unusable(OPENED[-1] if OPENED else Path("state.db"), e)))
 
@@ -717,7 +717,9 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     mlx_lm.load(model, adapter_path=OUT/<trial>) and holds the adapter of the trial's
     best eval where it had a validation set, else its last; OUT/manifest.json lists
     trial, parameters, metrics, which adapter ("best" or "last") from which step, and
-    the sha256 of every file."""
+    the sha256 of every file. Every file is checked against the sha256 its node
+    recorded when it sent it: a damaged store exits 1 and writes nothing. OUT and
+    its files are the owner's alone (0700 / 0600)."""
     from segctl.orchestrator.gather import Mismatch, gather as do_gather
     from segctl.orchestrator.stores import Stores
     from segctl.schemas.states import TrialState
@@ -733,8 +735,12 @@ def gather(sweep, out: Path, best, metric, cluster_file):
         _fail(str(e), EXIT_INTERNAL)
     except (ValueError, FileExistsError) as e:
         _fail(str(e))
-    n = len(json.loads((path / "manifest.json").read_text()))
-    click.echo(f"wrote {n} adapter folder(s) and manifest.json to {path}")
+    manifest = json.loads((path / "manifest.json").read_text())
+    unchecked = sum(not m["verified"] for m in manifest)
+    if unchecked:
+        click.echo(f"{unchecked} adapter(s) exported unchecked: the stores hold no sha256 from "
+                   "their node (stored by a segctl from before nodes recorded it)", err=True)
+    click.echo(f"wrote {len(manifest)} adapter folder(s) and manifest.json to {path}")
 
 
 @main.command()
@@ -752,7 +758,9 @@ def report(sweep, out, gathered, best: int, cluster_file):
     data and scripts inline): loss and val-loss curves per trial, per-phase memory
     against each node's budget and the planner's prediction, the attempts per node
     over time (out-of-memory re-plans and lost nodes marked), each swept parameter
-    against the best val loss, and the best adapters. Reads only the stores."""
+    against the best val loss, and the best adapters. Reads only the stores. With
+    --gathered, every file there is checked against its manifest and the sha256 its
+    node recorded: a changed file exits 1 and writes nothing."""
     from segctl.orchestrator.gather import Mismatch
     from segctl.orchestrator.report import collect, render
     from segctl.schemas.atomic import write_atomic
@@ -844,8 +852,8 @@ def cluster_status(cluster_file, as_json: bool):
             running.setdefault(a["node"], []).append(a["trial"])   # up to its max_trials
     ray_nodes = fleet.ports()
     where = {name: r for r in ray_nodes for name in r["names"]}
-    nodes = []
-    for n in fleet.nodes():
+    nodes, warnings = [], []
+    for n in fleet.nodes(warnings):
         r = where.get(n.name, {})
         nodes.append(dict(n.model_dump(), trial=", ".join(running.get(n.name, [])) or None,
                           trials=running.get(n.name, []), trains=True,
@@ -863,6 +871,8 @@ def cluster_status(cluster_file, as_json: bool):
             nodes.append(dict(name=d.name, chip=d.chip, memory_gb=d.memory_gb, os="?",
                               labels=d.labels or {}, alive=False, trial=None, trains=True,
                               head=False, address=None, listening=[]))
+    for w in warnings:   # a node the head ignores: its labels do not parse
+        click.echo(one_line(f"segctl: warning: {w}"), err=True)
     if as_json:
         click.echo(json.dumps(nodes, indent=2))
         return
@@ -909,10 +919,17 @@ def node_start(is_head, address, name, memory_gb, chip, labels, max_trials, port
                token_stdin):
     """Start Ray on this machine as the head (--head) or as a node of the head at
     HOST:PORT (--join), with this machine's chip, memory and labels."""
+    import math
+
     from segctl.node.probe import default_name, probe
     from segctl.orchestrator import fleet
+    from segctl.schemas.limits import MAX_MEMORY_GB
     if is_head == bool(address):
         _fail("give exactly one of --head or --join HOST:PORT")
+    if memory_gb is not None and not (math.isfinite(memory_gb) and 0 < memory_gb <= MAX_MEMORY_GB):
+        # click reads inf and nan as numbers; the planner would fit everything or nothing
+        _fail(f"--memory-gb {memory_gb:g}: expected a finite number of GB > 0 and at most "
+              f"{MAX_MEMORY_GB}")
     parsed = {}
     for item in labels:
         k, sep, v = item.partition("=")
@@ -948,7 +965,8 @@ def lab():
 
 def _lab_root(f):
     return click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=None,
-                        help="the lab's folder  [default: /var/lib/segctl-lab]")(f)
+                        help="the lab's folder: new, empty, or one a lab made "
+                             "(its lab.json)  [default: /var/lib/segctl-lab]")(f)
 
 
 @lab.command("up")
@@ -960,6 +978,8 @@ def lab_up(n: int, root, as_json: bool):
     from segctl.orchestrator import lab as lablib
     try:
         made = lablib.up(n, root or lablib.LAB_ROOT)
+    except lablib.NotALab as e:      # a folder that is not a lab's: left as it was
+        _fail(str(e))
     except lablib.LabError as e:
         _fail(str(e), EXIT_INTERNAL)
     if as_json:
@@ -978,6 +998,8 @@ def lab_down(root):
     from segctl.orchestrator import lab as lablib
     try:
         lablib.down(root or lablib.LAB_ROOT)
+    except lablib.NotALab as e:
+        _fail(str(e))
     except lablib.LabError as e:
         _fail(str(e), EXIT_INTERNAL)
     click.echo("lab down")

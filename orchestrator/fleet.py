@@ -21,6 +21,7 @@ import fcntl
 import ipaddress
 import json
 import logging
+import math
 import os
 import secrets
 import shlex
@@ -35,6 +36,7 @@ from segctl.node.probe import Hardware, default_name, probe, ray_env
 from segctl.schemas.atomic import write_atomic
 from segctl.schemas.cluster import DEFAULT_MAX_TRIALS
 from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS, segctl_home, stores_root
+from segctl.schemas.limits import MAX_MEMORY_GB, MAX_TRIALS_PER_NODE
 from segctl.schemas.records import NodeInfo
 
 # `ray` itself is imported only where a driver is needed: the ssh helpers serve
@@ -148,12 +150,24 @@ def connect(spec, *, start: bool = True) -> dict:
     return info
 
 
-def nodes() -> list[NodeInfo]:
-    """The alive segctl nodes, from Ray's node table (needs a connected driver)."""
+def nodes(warnings: list | None = None) -> list[NodeInfo]:
+    """The alive segctl nodes, from Ray's node table (needs a connected driver); a
+    node whose labels do not parse is left out, with why in `warnings` if given."""
     import ray
+    out, why = node_table(ray.nodes())
+    if warnings is not None:
+        warnings += why
+    return out
 
-    out = []
-    for n in ray.nodes():
+
+def node_table(rows: list[dict]) -> tuple[list[NodeInfo], list[str]]:
+    """The alive segctl nodes among Ray's node table's `rows` (ray.nodes()), by name,
+    and a warning for each one left out because its labels do not parse: a memory
+    budget that is not a finite number of GB within the bounds, or max_trials not a
+    whole number within them (a node started by hand or by a broken segctl). The
+    planner would fit everything on `inf` and nothing on `nan`."""
+    out, warnings = [], []
+    for n in rows:
         names = [r[len(raynode.NODE_RESOURCE):] for r in n.get("Resources", {})
                  if r.startswith(raynode.NODE_RESOURCE)]
         if not n.get("Alive") or not names:
@@ -161,13 +175,37 @@ def nodes() -> list[NodeInfo]:
         labels = n.get("Labels") or {}
         ours = {k.removeprefix(raynode.LABEL): v for k, v in labels.items()
                 if k.startswith(raynode.LABEL)}
-        out.append(NodeInfo(
-            name=names[0], chip=ours.get("chip", "unknown"),
-            memory_gb=float(ours.get("memory_gb", 0)), os=ours.get("os", "unknown"), alive=True,
-            max_trials=int(ours.get("max_trials", DEFAULT_NODE_MAX_TRIALS)),
-            labels={k: v for k, v in labels.items()
-                    if not k.startswith(raynode.LABEL) and not k.startswith("ray.io/")}))
-    return sorted(out, key=lambda n: n.name)
+        try:
+            out.append(NodeInfo(
+                name=names[0], chip=ours.get("chip", "unknown"),
+                memory_gb=_label_number(ours, "memory_gb", float, MAX_MEMORY_GB),
+                os=ours.get("os", "unknown"), alive=True,
+                max_trials=_label_number(ours, "max_trials", int, MAX_TRIALS_PER_NODE,
+                                         DEFAULT_NODE_MAX_TRIALS),
+                labels={k: v for k, v in labels.items()
+                        if not k.startswith(raynode.LABEL) and not k.startswith("ray.io/")}))
+        except ValueError as e:
+            warnings.append(f"node {names[0]} ignored: {e}")
+    return sorted(out, key=lambda n: n.name), warnings
+
+
+def _label_number(ours: dict, key: str, kind, most, default=None):
+    """Label segctl.<key> as a finite number > 0 and <= `most` (`kind`: float or int);
+    `default` where it is missing. ValueError naming the label."""
+    text = ours.get(key)
+    if text is None and default is not None:
+        return default
+    if text is None:
+        raise ValueError(f"no label {raynode.LABEL}{key}")
+    try:
+        x = kind(text)
+    except (TypeError, ValueError):
+        x = None
+    if x is None or not math.isfinite(x) or not 0 < x <= most:
+        what = "a finite number" if kind is float else "a whole number"
+        raise ValueError(f"label {raynode.LABEL}{key}={str(text)[:40]!r}: expected {what} "
+                         f"> 0 and at most {most}")
+    return x
 
 
 def ports(timeout: float = 60) -> list[dict]:

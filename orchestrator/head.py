@@ -88,8 +88,9 @@ class Controller:
                  wait=None, get=None):
         self.root = Path(root)
         self.log = head_log(self.root)
-        self.state = State(self.root / "state.db", clock=clock)
         self.stores = Stores(self.root)
+        self.stores.check()   # an unusable staging.db is said before state.db is made
+        self.state = State(self.root / "state.db", clock=clock)
         self.list_nodes, self.spawn_agent, self.clock = list_nodes, spawn_agent, clock
         self.wait, self.get = wait or ray.wait, get or ray.get
         self.mu = threading.RLock()
@@ -119,15 +120,16 @@ class Controller:
         """payload: name, path, spec (the sweep file as a dict, plus `planner`),
         trials [{index, name, params, job, model_info, seq_len, inputs: {file: sha}}],
         blobs {sha: bytes} (the data files, shipped from the submitting machine)."""
-        _check_payload(payload)
-        inputs = private_dir(self.root / "inputs")   # copies of people's training data
+        sweep = _check_payload(payload)
         for sha, blob in payload["blobs"].items():
             if hashlib.sha256(blob).hexdigest() != sha:
                 raise ValueError(f"input {sha[:12]} arrived damaged")
+        inputs = private_dir(self.root / "inputs")   # copies of people's training data
+        for sha, blob in payload["blobs"].items():
             _write_input(inputs / sha, blob)
         with self.mu:
-            sid = self.state.add_sweep(payload["name"], payload["path"], payload["spec"],
-                                       payload["trials"])
+            sid = self.state.add_sweep(sweep["name"], sweep["path"], sweep["spec"],
+                                       sweep["trials"])
         self.wake.set()
         return sid
 
@@ -466,11 +468,16 @@ class Controller:
         runs = Counter(f.sweep for f in self.inflight.values())
         sweeps, turn = {}, []
         for s in self.state.running_sweeps():
-            spec = json.loads(s["spec"])
+            try:   # a row an older or hostile writer left unusable fails its sweep alone
+                spec = sweep_record(s)
+                created = float(s["created"])
+            except Exception as e:
+                self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: reading it from state.db", e))
+                continue
             sweeps[s["id"]] = (s, spec)
             turn.append(scheduler.Contender(
-                sweep=s["id"], priority=s["priority"], share=spec.get("share", 1.0),
-                created=s["created"], cap=s["concurrency"],
+                sweep=s["id"], priority=spec["priority"], share=spec["share"],
+                created=created, cap=spec["concurrency"],
                 pending=self.state.count_trials(s["id"], [TrialState.PENDING]),
                 running=runs[s["id"]],
                 served=self.served.get(s["id"], 0)))
@@ -839,7 +846,12 @@ class Controller:
         self._maybe_done(sid)
 
     def _retry_left(self, tid: str, sid: str, aid: int) -> bool:
-        retries = self.state.sweep(sid)["retries"]
+        try:
+            retries = sweep_record(self.state.sweep(sid))["retries"]
+        except ValueError as e:   # its row in state.db is unusable: no retry can be counted
+            why = f"sweep {sid}: reading it from state.db: {e}"
+            self.state.move(tid, TrialState.FAILED, why, attempt=aid, message=why)
+            return False
         used = self.state.charged_attempts(tid)
         if used > retries:
             self.state.move(tid, TrialState.FAILED, f"retries spent ({used} attempts, "
@@ -889,39 +901,107 @@ class Controller:
         self.state.requeue_tunes()
 
 
-def _check_payload(payload: dict) -> None:
-    """What the CLI validated, checked again where it lands: a caller holding the
-    token but not using the CLI must not get a name, job or model the head cannot
-    file or plan into state.db. Raises ValueError with one line."""
+def _check_payload(payload) -> dict:
+    """What the CLI validated, checked again where it lands, by the same schema code
+    (schemas/sweep.py's check_expanded: every key of the sweep, every trial's job,
+    the scheduler against the trials; the planner's knobs as cluster.yaml's): a caller
+    holding the token but not using the CLI must not get into state.db a value a
+    placement turn cannot compare or plan with. Returns the sweep and its trials as
+    the head records them, every value as its schema reads it. Raises ValueError
+    with one line."""
     import re
 
-    from segctl.schemas.limits import MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN
-    name = payload.get("name")
+    from segctl.schemas.cluster import PlannerSpec
+    from segctl.schemas.limits import (MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN,
+                                       one_line, path_problem)
+    from segctl.schemas.sweep import check_expanded
+    if not isinstance(payload, dict):
+        raise ValueError(f"a submission is a mapping, not {type(payload).__name__}")
+    name, path, spec = payload.get("name"), payload.get("path"), payload.get("spec")
     if not isinstance(name, str) or len(name) > MAX_SWEEP_NAME_CHARS or not re.fullmatch(
             NAME_PATTERN, name):
         raise ValueError(f"sweep name {str(name)[:80]!r} is not a plain name of at most "
                          f"{MAX_SWEEP_NAME_CHARS} characters")
+    if not isinstance(path, str) or path_problem(path):
+        raise ValueError(f"path: {path_problem(path) if isinstance(path, str) else 'expected a string'}")
+    if not isinstance(spec, dict):
+        raise ValueError(f"spec: expected a mapping, got {type(spec).__name__}")
     try:
-        if (payload.get("spec") or {}).get("scheduler") is not None:
-            SchedulerSpec.model_validate(payload["spec"]["scheduler"])
-    except Exception as e:
-        raise ValueError(f"scheduler: {_one_line(e)}") from None
-    sharing = {k: v for k, v in (payload.get("spec") or {}).items()
-               if k in ("priority", "share", "owner")}
-    try:
-        SweepSpec.model_validate({"name": name, **sharing})
+        knobs = PlannerSpec.model_validate(spec.get("planner") or {})
     except ValidationError as e:
         err = e.errors()[0]
-        raise ValueError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-    for t in payload.get("trials", []):
+        raise ValueError(one_line(f"planner.{'.'.join(map(str, err['loc']))}: "
+                                  f"{err['msg']}")) from None
+    # the sweep is recorded under the name checked above, whatever its spec says
+    sweep_keys = {k: v for k, v in spec.items() if k != "planner"} | {"name": name}
+    trials = payload.get("trials")
+    sweep = check_expanded(sweep_keys, trials)
+    blobs = payload.get("blobs")
+    if not isinstance(blobs, dict) or not all(isinstance(b, bytes) for b in blobs.values()):
+        raise ValueError("blobs: expected a mapping of sha256 -> bytes")
+    out, seen = [], set()
+    for raw, t in zip(trials, sweep.trials):
         try:
-            JobSpec.model_validate(t["job"])
-            planner.ModelInfo.from_dict(t["model_info"])
-            if not re.fullmatch(NAME_PATTERN, str(t["name"])) or \
-                    len(f"{name}-{t['name']}") > MAX_NAME_CHARS:
-                raise ValueError(f"trial name {str(t['name'])[:80]!r} is not a plain name")
+            if not re.fullmatch(NAME_PATTERN, t.name) or len(f"{name}-{t.name}") > MAX_NAME_CHARS:
+                raise ValueError(f"trial name {t.name[:80]!r} is not a plain name")
+            if t.name in seen:
+                raise ValueError("a second trial of this name")
+            seen.add(t.name)
+            try:
+                info = planner.ModelInfo.from_dict(raw.get("model_info"))
+            except Exception as e:
+                raise ValueError(f"model_info: {e}") from None
+            seq_len = raw.get("seq_len")
+            if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+                raise ValueError(f"seq_len: expected a whole number >= 1, got {str(seq_len)[:80]!r}")
+            inputs = raw.get("inputs")
+            if not isinstance(inputs, dict) or "train.jsonl" not in inputs or \
+                    set(inputs) - {"train.jsonl", "valid.jsonl"} or \
+                    any(sha not in blobs for sha in inputs.values()):
+                raise ValueError("inputs: expected {train.jsonl: sha256[, valid.jsonl: sha256]} "
+                                 "of files among the blobs sent")
+            try:
+                json.dumps(t.params, allow_nan=False)   # kept in state.db as JSON
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"params: not plain JSON ({e})") from None
         except Exception as e:
-            raise ValueError(f"trial {str(t.get('name'))[:80]!r}: {_one_line(e)}") from None
+            why = one_line(str(e)) if isinstance(e, ValueError) else _one_line(e)
+            raise ValueError(f"trial {t.name[:80]!r}: {why}") from None
+        out.append(dict(index=t.index, name=t.name, params=t.params,
+                        job=t.job.model_dump(mode="json"), model_info=info.to_dict(),
+                        seq_len=seq_len, inputs=dict(inputs)))
+    recorded = sweep.spec.model_dump(mode="json")
+    if "owner" not in spec:   # the head's own user would be no one's answer to "who"
+        recorded.pop("owner")
+    recorded["planner"] = knobs.model_dump()
+    return dict(name=name, path=path, spec=recorded, trials=out)
+
+
+def sweep_record(row) -> dict:
+    """A sweep's row of state.db as the placement turn uses it: its spec with the
+    row's own columns (priority, concurrency, retries, placement: what the head
+    schedules by) held to SweepSpec, the planner's knobs to PlannerSpec, every value
+    typed. A row an older or hostile writer left wrong is a ValueError naming the
+    key, one line."""
+    from segctl.schemas.cluster import PlannerSpec
+    from segctl.schemas.limits import one_line
+    try:
+        spec = json.loads(row["spec"])
+        if not isinstance(spec, dict):
+            raise ValueError(f"expected a mapping, got {type(spec).__name__}")
+        placement = json.loads(row["placement"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(one_line(f"spec or placement: not a JSON mapping ({e})")) from None
+    given = {k: v for k, v in spec.items() if k != "planner"}
+    given.update(priority=row["priority"], concurrency=row["concurrency"], retries=row["retries"],
+                 placement=placement)
+    try:
+        sweep = SweepSpec.model_validate(given)
+        knobs = PlannerSpec.model_validate(spec.get("planner") or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(one_line(f"{'.'.join(map(str, err['loc']))}: {err['msg']}")) from None
+    return dict(sweep.model_dump(mode="json"), planner=knobs.model_dump())
 
 
 def _plan_class(n: NodeInfo) -> tuple[str, float]:
@@ -1066,6 +1146,7 @@ def get_head(root: Path, *, create: bool = True):
             raise ConnectionError("no segctl head is running on this cluster") from None
         if (Path(root) / "state.db").exists():   # a broken one is said here in one line,
             read_state(Path(root) / "state.db").close()   # not by a head that dies starting
+        Stores(Path(root)).check()                   # and so is a broken staging.db
         head = ray.remote(Head).options(
             name=HEAD_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_concurrency=64, resources={"segctl_head": 0.001},

@@ -10,7 +10,6 @@ and an HTML page.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -23,7 +22,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from segctl.orchestrator import state as st
-from segctl.orchestrator.gather import exported, pick
+from segctl.orchestrator.gather import checked_entry, pick, read_gathered
 from segctl.orchestrator.stores import Stores, phase_peaks
 from segctl.schemas import store_rows as sr
 from segctl.schemas.records import TERMINAL, AttemptStatus, SweepState, TrialState
@@ -131,7 +130,8 @@ def collect(root: Path, sweep: str, *, gathered: Path | None = None, best: int =
     parameters, loss and val_loss curves, attempts (node, segment size, predicted peak,
     budget, outcome, times) and per-phase memory; the best adapters (from
     `gathered`/manifest.json when given, else ranked as `segctl gather --best` ranks
-    them). KeyError: no such sweep; ValueError: an unreadable manifest."""
+    them). KeyError: no such sweep; ValueError: an unreadable manifest; gather.Mismatch:
+    an adapter (in the stores or in `gathered`) that is not what its node sent."""
     root = Path(root)
     db = open_db(root)
     try:
@@ -263,31 +263,18 @@ def _memory(root: Path, stores: Stores, sweep: str, trial: str, a: dict) -> dict
 
 
 def _best(stores: Stores, sw: dict, gathered: Path | None, k: int) -> dict:
-    """The best adapters: what `segctl gather` wrote to `gathered` (its manifest), or
-    the K it would export with --best K --metric val_loss, each as its manifest entry."""
+    """The best adapters: what `segctl gather` wrote to `gathered` (its manifest, every
+    file checked against it and against its node's sha256), or the K it would export
+    with --best K --metric val_loss, each as its manifest entry (checked the same way:
+    a damaged store is refused here as gather refuses it)."""
     if gathered is not None:
-        path = Path(gathered) / "manifest.json"
-        try:
-            entries = json.loads(path.read_text())
-            if not isinstance(entries, list) or not all(isinstance(e, dict) and "trial" in e
-                                                        for e in entries):
-                raise ValueError("expected a list of entries, each with a trial")
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: {e}") from None
-        return dict(source="manifest", path=str(path), entries=entries)
+        entries = read_gathered(stores, Path(gathered))
+        return dict(source="manifest", path=str(Path(gathered) / "manifest.json"),
+                    entries=entries)
     trials = [{"trial": t["trial"], "state": t["state"], "params": t["params"],
                "metrics": {"val_loss": t["val_loss"], "final_loss": t["final_loss"]}}
               for t in sw["trials"]]
-    entries = []
-    for t in pick(stores, trials, k, "val_loss"):
-        kind, info = exported(stores, t["trial"])
-        files = stores.adapter_files(t["trial"], kind)
-        metrics = dict(t["metrics"])
-        if kind == "best":
-            metrics["best_val_loss"] = info["val_loss"]
-        entries.append({"trial": t["trial"], "params": t["params"], "metrics": metrics,
-                        "adapter": kind, "step": info["step"],
-                        "files": {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}})
+    entries = [checked_entry(stores, t)[0] for t in pick(stores, trials, k, "val_loss")]
     return dict(source="ranking", path=None, entries=entries)
 
 

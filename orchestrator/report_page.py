@@ -102,6 +102,10 @@ function h(tag, attrs, parent, text) {
   if (parent) parent.appendChild(e);
   return e;
 }
+// Extrema by a loop: Math.max(...values) passes every value as an argument, and past
+// a few hundred thousand of them (a long sweep's loss points) the call overflows the stack.
+function least(values, start = Infinity) { let m = start; for (const v of values) if (v < m) m = v; return m; }
+function most(values, start = -Infinity) { let m = start; for (const v of values) if (v > m) m = v; return m; }
 const fmt = (v, d = 4) => v === null || v === undefined ? "–" : (+v).toFixed(d);
 function fmtNum(v) {
   if (v === null || v === undefined) return "–";
@@ -194,14 +198,21 @@ function path(pts, x, y) {
   for (const [a, b] of pts) d += (d ? "L" : "M") + x(a).toFixed(1) + "," + y(b).toFixed(1);
   return d;
 }
-function tipAt(f, evt, html) {
-  const r = f.svg.getBoundingClientRect(), br = f.box.getBoundingClientRect();
-  f.tip.innerHTML = html; f.tip.style.display = "block";
+// lines: [[colour or null, text]], the first in bold; built as nodes, never as HTML
+// text, so no value of the data is ever parsed as markup
+function tipAt(f, evt, lines) {
+  const br = f.box.getBoundingClientRect();
+  f.tip.replaceChildren();
+  lines.forEach(([c, text], i) => {
+    if (i) h("br", {}, f.tip);
+    if (c) { h("span", { class: "sw", style: `background:${c}` }, f.tip); f.tip.append(" "); }
+    h(i ? "span" : "b", {}, f.tip, text);
+  });
+  f.tip.style.display = "block";
   let left = evt.clientX - br.left + 14;
   if (left + f.tip.offsetWidth > br.width) left = evt.clientX - br.left - f.tip.offsetWidth - 14;
   f.tip.style.left = left + "px"; f.tip.style.top = (evt.clientY - br.top - 10) + "px";
 }
-function esc(s) { return String(s).replace(/[&<>"]/g, c => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c])); }
 function paramText(p) { return Object.entries(p).map(([k, v]) => `${k.split(".").pop()}=${fmtNum(v)}`).join(" "); }
 
 // ---- loss and val loss, one line per trial, toggled by the legend
@@ -233,14 +244,16 @@ function lossCharts() {
   cb.onchange = () => { smooth = cb.checked; draw(); };
   const holder = [h("div", { class: "plot" }, row), h("div", { class: "plot" }, row)];
   function one(box, title, key, isTrain) {
-    box.innerHTML = ""; charts--;
+    box.replaceChildren(); charts--;
     const f = frame(box, { title, width: 620, height: 300 });
     const on = D.trials.filter(t => t.on && t[key].length);
     const series = on.map(t => [t, isTrain && smooth ? ema(t[key], 0.25) : t[key]]);
-    const xs = series.flatMap(([, p]) => p.map(q => q[0])), ys = series.flatMap(([, p]) => p.map(q => q[1]));
-    const maxStep = Math.max(1, ...D.trials.map(t => t.steps || 0));
-    const x = linear(0, xs.length ? Math.max(...xs) : maxStep, f.x0, f.x1);
-    const y = linear(ys.length ? Math.min(...ys) : 0, ys.length ? Math.max(...ys) : 1, f.y0, f.y1, 0.05);
+    let xmax = -Infinity, ymin = Infinity, ymax = -Infinity;
+    for (const [, pts] of series) for (const [s, v] of pts) {
+      if (s > xmax) xmax = s; if (v < ymin) ymin = v; if (v > ymax) ymax = v; }
+    const seen = xmax > -Infinity;
+    const x = linear(0, seen ? xmax : most(D.trials.map(t => t.steps || 0), 1), f.x0, f.x1);
+    const y = linear(seen ? ymin : 0, seen ? ymax : 1, f.y0, f.y1, 0.05);
     drawAxes(f, x, y, { xlabel: "step", ylabel: title.toLowerCase() });
     if (!series.length) el("text", { x: (f.x0 + f.x1) / 2, y: (f.y0 + f.y1) / 2, "text-anchor": "middle" },
                            f.plot, "no trial selected or no data yet");
@@ -262,8 +275,8 @@ function lossCharts() {
         for (const q of pts) if (best === null || Math.abs(q[0] - step) < Math.abs(best[0] - step)) best = q;
         return [t, best]; }).filter(r => r[1]).sort((a, b) => a[1][1] - b[1][1]);
       cross.setAttribute("x1", p.x); cross.setAttribute("x2", p.x); cross.setAttribute("visibility", "visible");
-      tipAt(f, evt, `<b>step ≈ ${Math.round(step)}</b><br>` + rows.map(([t, q]) =>
-        `<span class="sw" style="background:${t.color}"></span> ${esc(t.short)}: ${fmt(q[1])} <span style="opacity:.6">@${q[0]}</span>`).join("<br>"));
+      tipAt(f, evt, [[null, `step ≈ ${Math.round(step)}`],
+                     ...rows.map(([t, q]) => [t.color, `${t.short}: ${fmt(q[1])} @${q[0]}`])]);
     });
     f.svg.addEventListener("mouseleave", () => { cross.setAttribute("visibility", "hidden"); f.tip.style.display = "none"; });
   }
@@ -283,25 +296,25 @@ function memoryCharts() {
   const left = h("div", { class: "plot" }, row), right = h("div", { class: "plot" }, row);
   const PH = ["#3b6fd8", "#e4572e", "#2e9d5b", "#9b59b6", "#f2a51a", "#17a2b8", "#d6457f", "#7a8b2a"];
   function drawTrial() {
-    left.innerHTML = ""; charts--;
+    left.replaceChildren(); charts--;
     const t = withMem.find(q => q.trial === sel.value) || withMem[0];
     const f = frame(left, { title: `Per-phase peak by step: ${t ? t.short : ""}`, width: 620, height: 310,
                             margin: { r: 120 } });
     if (!t) { el("text", { x: 300, y: 150, "text-anchor": "middle" }, f.plot, "no memory telemetry"); return; }
     const vals = t.memory.flatMap(m => m.peaks.flat().filter(v => v !== null));
     const pred = t.memory.map(m => m.predicted_gb).filter(v => v);
-    const budget = Math.max(0, ...t.memory.map(m => m.budget_gb || 0));
-    const top = Math.max(...vals, ...pred);
+    const budget = most(t.memory.map(m => m.budget_gb || 0), 0);
+    const top = most(pred, most(vals));
     // a budget far above every peak would squash the phases into one line: it is named instead
     const far = budget > 8 * top;
     const refs = far ? pred : pred.concat(budget ? [budget] : []);
-    const lo = Math.min(...vals, ...refs), hi = Math.max(...vals, ...refs);
+    const lo = least(refs, least(vals)), hi = most(refs, most(vals));
     const y = hi / lo > 20 ? logScale(lo * 0.8, hi * 1.25, f.y0, f.y1)
                            : Object.assign(linear(0, hi * 1.12, f.y0, f.y1), { fmt: fmtGB });
     f.box.querySelector("h3").textContent = `Per-phase peak by step: ${t.short}` + (hi / lo > 20 ? " (log scale)" : "")
       + (far ? ` · budget ${fmtGB(budget)}, ${Math.round(budget / top).toLocaleString("en")}× this peak, is off the chart` : "");
     const steps = t.memory.flatMap(m => m.steps);
-    const x = linear(Math.min(...steps) - 0.5, Math.max(...steps) + 0.5, f.x0, f.x1);
+    const x = linear(least(steps) - 0.5, most(steps) + 0.5, f.x0, f.x1);
     drawAxes(f, x, y, { xlabel: "step", ylabel: "peak memory" });
     const phases = [...new Set(t.memory.flatMap(m => m.phases))];
     t.memory.forEach((m, k) => {
@@ -310,7 +323,7 @@ function memoryCharts() {
         el("path", { d: path(pts, x, y), fill: "none", stroke: PH[phases.indexOf(ph) % PH.length],
                      "stroke-width": 1.6, "stroke-dasharray": k < t.memory.length - 1 ? "4 3" : "" }, f.plot);
       });
-      const s0 = x(Math.min(...m.steps) - 0.5), s1 = x(Math.max(...m.steps) + 0.5);
+      const s0 = x(least(m.steps) - 0.5), s1 = x(most(m.steps) + 0.5);
       for (const [v, c, name, dash] of [[m.predicted_gb, "#1d2330", "predicted", "6 4"], [m.budget_gb, "#d9443b", "budget", ""]]) {
         if (!v || (far && name === "budget")) continue;
         el("line", { x1: s0, x2: s1, y1: y(v), y2: y(v), stroke: c, "stroke-width": 1.6, "stroke-dasharray": dash }, f.plot);
@@ -334,7 +347,7 @@ function memoryCharts() {
   const f = frame(right, { title: "Measured peak vs planner's prediction vs budget (log scale)", width: 620, height: H,
                            margin: { l: 64, t: 8, b: 62, r: 16 } });
   const vals = D.trials.flatMap(t => t.attempts.flatMap(a => [a.peak_gb, a.predicted_gb, a.budget_gb])).filter(v => v);
-  const x = logScale(Math.min(...vals, 1e-3) * 0.7, Math.max(...vals, 1e-3) * 1.3, f.x0, f.x1);
+  const x = logScale(least(vals, 1e-3) * 0.7, most(vals, 1e-3) * 1.3, f.x0, f.x1);
   const band = (f.y0 - f.y1) / Math.max(1, n);
   const yAt = i => f.y1 + band * (i + 0.5);
   drawAxes(f, x, linear(0, 1, f.y0, f.y1), { yticks: [], xticks: x.ticks() });
@@ -370,9 +383,9 @@ function timeline() {
   const nodes = [...new Set(atts.map(a => a.node))].sort();
   const lane = 48, H = 60 + nodes.length * lane;
   const f = frame(sec, { width: 1260, height: H, margin: { l: 70, r: 20, t: 8, b: 40 } });
-  const t0 = Math.min(D.sweep.created, ...atts.map(a => a.placed).filter(Boolean));
+  const t0 = least(atts.map(a => a.placed).filter(Boolean), D.sweep.created);
   const ends = atts.map(a => a.ended || D.generated);
-  const t1 = Math.max(t0 + 1, D.sweep.ended || 0, ...ends);
+  const t1 = most(ends, Math.max(t0 + 1, D.sweep.ended || 0));
   const x = linear(0, t1 - t0, f.x0, f.x1);
   const y = linear(0, nodes.length, f.y1, f.y0);
   drawAxes(f, x, y, { yticks: [], xfmt: fmtDur, xlabel: "time since the sweep was submitted" });
@@ -421,10 +434,10 @@ function paramCharts() {
     const vals = [...new Set(D.trials.map(t => t.params[p]))];
     const numeric = vals.every(v => typeof v === "number");
     const ys = pts.map(metric);
-    const y = linear(Math.min(...ys, Infinity), Math.max(...ys, -Infinity), f.y0, f.y1, 0.12);
+    const y = linear(least(ys), most(ys), f.y0, f.y1, 0.12);
     let x, opts = { xlabel: p, ylabel: "best val loss" };
     if (numeric && vals.length > 6) {
-      const lo = Math.min(...vals), hi = Math.max(...vals);
+      const lo = least(vals), hi = most(vals);
       x = lo > 0 && hi / lo > 20 ? logScale(lo, hi, f.x0, f.x1) : linear(lo, hi, f.x0, f.x1, 0.08);
       if (lo > 0 && hi / lo > 20) opts.xfmt = fmtNum;
     } else {
@@ -454,7 +467,7 @@ function bestTable() {
     : `segctl gather has not been pointed at here: the adapters segctl gather --best ${b.entries.length || "K"} would export, in its order`);
   if (!b.entries.length) { h("p", {}, sec, "no succeeded trial with an adapter yet"); return; }
   const tab = h("table", {}, sec), hr = h("tr", {}, h("thead", {}, tab));
-  for (const c of ["#", "trial", "parameters", "best val loss", "final loss", "adapter", "step", "adapters.safetensors sha256"])
+  for (const c of ["#", "trial", "parameters", "best val loss", "final loss", "adapter", "step", "adapters.safetensors sha256", "checked"])
     h("th", { class: /loss|step/.test(c) ? "num" : "" }, hr, c);
   const body = h("tbody", {}, tab);
   b.entries.forEach((e, i) => {
@@ -468,6 +481,8 @@ function bestTable() {
     h("td", {}, tr, e.adapter || "");
     h("td", { class: "num" }, tr, e.step === null || e.step === undefined ? "–" : String(e.step));
     h("code", {}, h("td", {}, tr), ((e.files || {})["adapters.safetensors"] || "").slice(0, 16));
+    h("td", { title: "every file against the sha256 its node recorded when it sent it" }, tr,
+      e.verified === true ? "✓ node's sha256" : e.verified === false ? "no record" : "–");
   });
 }
 
@@ -523,20 +538,41 @@ def _finite(x):
     return x
 
 
+def esc(value) -> str:
+    """The one way a value of the data enters the page's HTML: as text, whatever it is
+    (a sweep's fields reach the stores from any client holding the head's token)."""
+    return html.escape(str(value), quote=True)
+
+
+def script_json(data) -> str:
+    """`data` as JSON that is safe inside a <script> element: no `<` (so no
+    `</script>` or `<!--`), `>` or `&` is left for the HTML parser to see, and no
+    character outside ASCII (json's default); JSON.parse reads the escapes back."""
+    blob = json.dumps(_finite(data), allow_nan=False, separators=(",", ":"))
+    for c in "<>&":
+        blob = blob.replace(c, f"\\u{ord(c):04x}")
+    return blob
+
+
 def _kpis(data: dict) -> list[tuple[str, str]]:
+    """(label, value) pairs, both plain text."""
     trials = data["trials"]
     vals = [t["best_val_loss"] for t in trials if t["best_val_loss"] is not None]
     atts = [a for t in trials for a in t["attempts"]]
     sw = data["sweep"]
     span = ((sw["ended"] or data["generated"]) - sw["created"]) if sw["created"] else None
     steps = sum(t["steps"] or 0 for t in trials)
-    return [("trials", f'<span id="trial-count">{len(trials)}</span>'),
+    return [("trials", str(len(trials))),
             ("best val loss", f"{min(vals):.4f}" if vals else "–"),
             ("attempts", f"{len(atts)}"),
             ("OOM re-plans", str(sum(a["outcome"] == "oom" for a in atts))),
             ("nodes lost", str(sum(a["outcome"] == "node_lost" for a in atts))),
             ("steps trained", f"{steps:,}"),
             ("wall time", _dur(span))]
+
+
+def _gb(v) -> str:
+    return f"{v:g} GB" if isinstance(v, (int, float)) else f"{v} GB"
 
 
 def _dur(s) -> str:
@@ -548,23 +584,25 @@ def _dur(s) -> str:
 
 def page(data: dict) -> str:
     """The whole HTML page for report.collect's `data`."""
+    # Every value below is text until esc() makes it HTML; the markup around it is ours.
     sw = data["sweep"]
-    blob = json.dumps(_finite(data), allow_nan=False, separators=(",", ":"))
-    blob = blob.replace("<", "\\u003c")   # nothing in the data can close the script element
-    chips = "".join(f'<span class="chip"><b>{n}</b> {html.escape(s.lower())}</span>'
-                    for s, n in sorted(data["states"].items()))
-    nodes = ", ".join(f'{html.escape(n["node"])} ({n["budget_gb"]:g} GB)' if n.get("budget_gb")
-                      else html.escape(n["node"]) for n in data["nodes"])
+    chips = "".join(f'<span class="chip"><b>{esc(n)}</b> {esc(str(s).lower())}</span>'
+                    for s, n in sorted(data["states"].items(), key=lambda kv: str(kv[0])))
+    nodes = ", ".join(f'{n["node"]} ({_gb(n["budget_gb"])})' if n.get("budget_gb") else str(n["node"])
+                      for n in data["nodes"])
     sched = sw.get("scheduler") or {}
-    sub = " · ".join(x for x in (
-        f"state {html.escape(sw['state'].lower())}",
+    sub = " · ".join(esc(x) for x in (
+        f"state {str(sw['state']).lower()}",
         f"concurrency {sw['concurrency']}" if sw.get("concurrency") else "",
         f"retries {sw['retries']}" if sw.get("retries") is not None else "",
-        f"scheduler {html.escape(str(sched.get('type')))}" if sched else "",
+        f"scheduler {sched.get('type') if isinstance(sched, dict) else sched}" if sched else "",
         f"nodes: {nodes}" if nodes else "") if x)
-    kpis = "".join(f'<div class="kpi"><div class="k">{k}</div><div class="v">{v}</div></div>'
-                   for k, v in _kpis(data))
-    title = html.escape(f"segctl report: {sw['id']}")
+    kpis = "".join(
+        f'<div class="kpi"><div class="k">{esc(k)}</div><div class="v">'
+        + (f'<span id="trial-count">{esc(v)}</span>' if k == "trials" else esc(v))
+        + "</div></div>" for k, v in _kpis(data))
+    title = esc(f"segctl report: {sw['id']}")
+    blob = script_json(data)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -572,7 +610,7 @@ def page(data: dict) -> str:
 <script>{CATCH}</script>
 <style>{CSS}</style></head>
 <body>
-<header><h1>Sweep {html.escape(sw['id'])}</h1><div class="sub">{sub}</div>
+<header><h1>Sweep {esc(sw['id'])}</h1><div class="sub">{sub}</div>
 <div class="chips">{chips}</div></header>
 <div class="kpis">{kpis}</div>
 <main>

@@ -112,9 +112,13 @@ class TransitionError(RuntimeError):
     """A move the state machine does not allow: a controller bug, never user input."""
 
 
-class StateError(RuntimeError):
-    """state.db cannot be used (corrupt, locked, not ours): one line naming the file
-    and what to do."""
+class StoreError(RuntimeError):
+    """A store's file cannot be used (corrupt, locked, another program's, a newer
+    segctl's): one line naming the file and what to do."""
+
+
+class StateError(StoreError):
+    """state.db cannot be used: one line naming the file and what to do."""
 
 
 def unusable(path: Path, e: sqlite3.Error) -> StateError:
@@ -141,16 +145,13 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
             con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=LOCK_WAIT_S)
             version(con, path)   # a newer file's tables may not mean what this code reads
         else:
-            fresh = not path.exists()
+            if path.exists():   # whose file and which version, before its mode or journal change
+                check_before_writing(path)
             # Who trained what on which data is nobody else's business: 0700/0600,
             # whatever the umask (SQLite gives -wal and -shm the file's mode).
             private_file(private_dir(path.parent) / path.name)
             con = sqlite3.connect(path, timeout=LOCK_WAIT_S, check_same_thread=False,
                                   isolation_level=None)  # explicit BEGIN/COMMIT below
-            if not fresh:   # never add our tables to another program's database
-                tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
-                if tables and "sweeps" not in tables:
-                    raise sqlite3.DatabaseError("it holds no sweeps table: another program's file")
             con.execute("PRAGMA journal_mode=WAL")
             con.execute("PRAGMA synchronous=NORMAL")
             migrate(con, path)
@@ -161,6 +162,20 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
         raise (e if isinstance(e, StateError) else unusable(path, e)) from None
     con.row_factory = sqlite3.Row
     return con
+
+
+def check_before_writing(path: Path) -> None:
+    """Refuse an existing state.db that is another program's file or a newer
+    segctl's before the writer changes anything of it (its mode, its journal): read
+    through a connection of its own, closed before the writer's opens."""
+    con = sqlite3.connect(path, timeout=LOCK_WAIT_S)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+        if tables and "sweeps" not in tables:   # never add our tables to another program's database
+            raise sqlite3.DatabaseError("it holds no sweeps table: another program's file")
+        version(con, path)
+    finally:
+        con.close()
 
 
 def version(con: sqlite3.Connection, path: Path) -> int:

@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 
 # private_dir / private_file: also what the head uses for inputs/ and state.db
 from segctl.node.raynode import alive, private_dir, private_file
-from segctl.orchestrator.state import LOCK_WAIT_S
+from segctl.orchestrator.state import LOCK_WAIT_S, StoreError
 from segctl.schemas import store_rows as sr
 from segctl.schemas.atomic import fsync_dir
 from segctl.schemas.limits import safetensors_header
@@ -63,6 +63,12 @@ CREATE TABLE IF NOT EXISTS attempts (
   attempt INTEGER PRIMARY KEY, sweep TEXT NOT NULL, trial TEXT NOT NULL,
   sealed REAL);                       -- set once its Parquet files and memory array are in place
 """
+
+# PRAGMA user_version of staging.db: a newer one is refused before anything of it
+# changes; a file from before versions (0, with these tables) is version 1.
+STAGING_VERSION = 1
+STAGING_TABLES = {"events": {"attempt", "seq", "body"},
+                  "attempts": {"attempt", "sweep", "trial", "sealed"}}
 
 CHUNK_BYTES = 16 << 20            # a packed array is stored in chunks of this size
 DATA = "data"                     # the one array of a packed adapter or checkpoint
@@ -97,6 +103,11 @@ class Stores:
         self._vacuums = False   # staging.db was made with auto_vacuum=INCREMENTAL
         self._known: dict[int, tuple[str, str]] = {}   # attempt -> (sweep, trial) registered
         self._lock = threading.RLock()
+
+    def check(self) -> None:
+        """Refuse an unusable staging.db now, in one line naming it (StoreError), not
+        at the first telemetry; the head asks at its start. Nothing of it changes."""
+        check_staging(self.root / sr.STAGING_DB)
 
     # ================================================================ write side
 
@@ -299,6 +310,27 @@ class Stores:
         return {"adapters.safetensors": len(head).to_bytes(8, "little") + head + data,
                 "adapter_config.json": config.encode("utf-8")}
 
+    def adapter_sha256(self, trial: str, kind: str = "last") -> dict[str, str] | None:
+        """File name -> sha256 of the trial's adapter of `kind` as its node hashed it
+        when it sent it (the `adapter` event of the attempt that stored it), or None
+        where the stores hold no such event (stores from before nodes recorded it)."""
+        try:
+            a = node_attrs(self.root / _adapter_path(trial, kind))
+        except FileNotFoundError:
+            return None
+        attempt, sweep = a.get("attempt"), a.get("sweep")
+        if not isinstance(attempt, int) or not isinstance(sweep, str):
+            return None
+        path = self.root / sr.telemetry_file(EVENTS, sweep, attempt)
+        if path.exists():   # sealed: only its adapter event is read, not its every step
+            events = [json.loads(b) for b in pq.read_table(
+                path, columns=["body"], filters=[("event", "==", "adapter")])["body"].to_pylist()]
+        else:
+            events = [e for e in self.events(attempt) if e.get("event") == "adapter"]
+        key = "sha256" if kind == "last" else "best_sha256"
+        sent = [e[key] for e in events if isinstance(e.get(key), dict)]
+        return sent[-1] if sent else None
+
     # ================================================================ internals
 
     def _db(self, write: bool) -> sqlite3.Connection | None:
@@ -319,10 +351,18 @@ class Stores:
                 if not write and not path.exists():
                     return None
                 if write:
+                    check_staging(path)   # whose file and which version, before anything changes
                     private_dir(self.root)
                     private_file(path)    # SQLite makes -wal and -shm with its mode
                 self._con = sqlite3.connect(path, timeout=LOCK_WAIT_S, isolation_level=None,
                                             check_same_thread=False)
+                if not write:
+                    try:
+                        staging_version(self._con, path)
+                    except (sqlite3.Error, StoreError) as e:
+                        self._con.close()
+                        self._con = None
+                        raise _unusable(path, e) from None
             if write and not self._writer:
                 for p in (path, path.with_name(path.name + "-wal"),
                           path.with_name(path.name + "-shm")):
@@ -335,6 +375,7 @@ class Stores:
                 self._con.execute("PRAGMA synchronous=NORMAL")
                 self._con.execute(f"PRAGMA journal_size_limit={WAL_KEEP_BYTES}")
                 self._con.executescript(SCHEMA)
+                self._con.execute(f"PRAGMA user_version = {STAGING_VERSION}")
                 self._clear_temp()
                 self._writer = True
                 self._vacuums = self._con.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
@@ -352,7 +393,9 @@ class Stores:
             except sqlite3.OperationalError as e:
                 if "no such table" in str(e):   # created, but the writer has not set it up yet
                     return []
-                raise
+                raise _unusable(self.root / sr.STAGING_DB, e) from None
+            except sqlite3.DatabaseError as e:   # damaged past its first page
+                raise _unusable(self.root / sr.STAGING_DB, e) from None
 
     def _register(self, con, sweep: str, trial: str, attempt: int) -> None:
         """Tie a (global) attempt id to its sweep and trial, once; a mismatch is a bug."""
@@ -493,6 +536,52 @@ class Stores:
 def _sealed(con: sqlite3.Connection, attempt: int) -> bool:
     row = con.execute("SELECT sealed FROM attempts WHERE attempt = ?", (attempt,)).fetchone()
     return row is not None and row[0] is not None
+
+
+def check_staging(path: Path) -> None:
+    """Refuse a staging.db that is damaged, locked, another program's or a newer
+    segctl's (StoreError, one line naming it and what to do) before anything of it
+    changes: read through a connection of its own, closed before the writer's opens.
+    A missing file passes."""
+    if not path.exists():
+        return
+    try:
+        con = sqlite3.connect(path, timeout=LOCK_WAIT_S)
+        try:
+            staging_version(con, path)
+        finally:
+            con.close()
+    except (sqlite3.Error, StoreError) as e:
+        raise _unusable(path, e) from None
+
+
+def staging_version(con: sqlite3.Connection, path: Path) -> int:
+    """Which version staging.db is at (0: new and empty); StoreError when a newer
+    segctl wrote it, sqlite3.DatabaseError when it is not ours or not a database."""
+    have = con.execute("PRAGMA user_version").fetchone()[0]
+    if have > STAGING_VERSION:
+        raise StoreError(f"{path}: written by a newer segctl (staging.db version {have}; this "
+                         f"segctl knows up to {STAGING_VERSION}): upgrade segctl to use it")
+    tables = {name: {c for (c,) in con.execute("SELECT name FROM pragma_table_info(?)", (name,))}
+              for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+              if not name.startswith("sqlite_")}
+    if tables and any(not cols <= tables.get(t, set()) for t, cols in STAGING_TABLES.items()):
+        raise sqlite3.DatabaseError("it holds no segctl staging tables: another program's file")
+    return STAGING_VERSION if tables else have
+
+
+def _unusable(path: Path, e: Exception) -> StoreError:
+    """staging.db cannot be used, in one line: what it is and what to do."""
+    if isinstance(e, StoreError):
+        return e
+    text = " ".join(str(e).split())
+    if "locked" in text or "busy" in text:
+        return StoreError(f"{path}: locked by another process for {LOCK_WAIT_S:g} s (a second "
+                          "head on the same stores? stop it, or wait for it, and try again)")
+    return StoreError(f"{path}: not a usable segctl staging database ({text}); move it aside "
+                      "(with its -wal and -shm files) and start the head again: it makes a new "
+                      "one and seals what it can (the telemetry of attempts not sealed yet is "
+                      "lost; state.db and the sealed telemetry, adapters and data are kept)")
 
 
 @contextmanager

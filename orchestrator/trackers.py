@@ -20,6 +20,11 @@ Where the events come from: a sweep's from the head (Controller.ingest feeds
 holds the controller's lock); `segctl train`'s from its own event loop (`job_sink`).
 Either way a tracker that fails is logged once and dropped for that run; the trial
 goes on.
+
+No tracker phones home unless asked: before a tracker is imported, its own usage
+telemetry is turned off (`TELEMETRY_OFF`), unless SEGCTL_TRACKER_TELEMETRY=1 or the
+user set that variable themselves. What the user points a tracker at (a W&B server,
+an MLflow URI) is theirs to choose and is never touched.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -54,6 +60,16 @@ PARAM_KEYS = ("method", "model", "lora.rank", "lora.scale", "lora.dropout", "lor
               "dpo.beta")
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"   # how a run ended (MLflow's words)
 BACKLOG = 10_000      # event batches the head's tracker thread may fall behind by
+
+# Each tracker's switch for the traffic it makes on its own, to its makers' hosts.
+# MLflow (3.x) fetches a config from mlflow-telemetry.io at its first tracked call and
+# then posts usage events; it reads its switch per call, but is quiet by itself only
+# under pytest and CI.
+# wandb reports its errors to sentry.io. TensorBoard's writer sends nothing.
+TELEMETRY_OFF = {"mlflow": {"MLFLOW_DISABLE_TELEMETRY": "true"},
+                 "wandb": {"WANDB_ERROR_REPORTING": "false"},
+                 "tensorboard": {}}
+TELEMETRY_OPT_IN = "SEGCTL_TRACKER_TELEMETRY"   # =1: leave the trackers' telemetry as they ship it
 
 
 def missing(trackers: list[TrackerSpec]) -> list[str]:
@@ -112,6 +128,15 @@ def final_of(end: dict) -> dict:
 
 # ------------------------------------------------------------------ adapters
 
+def telemetry_off(tracker: str, environ=os.environ) -> None:
+    """Turn `tracker`'s usage telemetry off in this process (and the ones it starts),
+    before the tracker is imported; a value the user set, or the opt-in, wins."""
+    if environ.get(TELEMETRY_OPT_IN, "").strip().lower() in ("1", "true", "yes", "on"):
+        return
+    for name, value in TELEMETRY_OFF[tracker].items():
+        environ.setdefault(name, value)
+
+
 def _trackers_home(home: Path) -> Path:
     return private_dir(Path(home) / "trackers")
 
@@ -127,6 +152,7 @@ class TensorBoardRun:
     scalars plugin reads them, the params as an HParams session."""
 
     def __init__(self, spec: TrackerSpec, home: Path, names: RunName, params: dict, resume: bool):
+        telemetry_off("tensorboard")
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
         root = _user_dir(spec.dir) if spec.dir else private_dir(_trackers_home(home) / "tensorboard")
         folder = root / names.group / names.name
@@ -191,6 +217,7 @@ class MlflowRun:
     """An MlflowClient run (no global "active run": a head streams many at once)."""
 
     def __init__(self, spec: TrackerSpec, home: Path, names: RunName, params: dict, resume: bool):
+        telemetry_off("mlflow")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
         for name in ("mlflow", "alembic"):   # after the import: mlflow sets its own level then
@@ -236,6 +263,7 @@ class WandbRun:
     capture is off, so `segctl train --json` prints only events."""
 
     def __init__(self, spec: TrackerSpec, home: Path, names: RunName, params: dict, resume: bool):
+        telemetry_off("wandb")
         import wandb
         folder = _user_dir(spec.dir) if spec.dir else _trackers_home(home)
         self.run = wandb.init(project=spec.project or "segctl", entity=spec.entity,

@@ -12,12 +12,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from .errors import SpecError
 from .limits import (HOST_PATTERN, LABEL_KEY_PATTERN, LABEL_PATTERN, MAX_HOST_CHARS, MAX_LABEL_CHARS,
-                     MAX_MEMORY_GB, MAX_PORT, MAX_TRIALS_PER_NODE, NODE_NAME_PATTERN, check_path,
-                     one_line)
+                     MAX_MEMORY_GB, MAX_PORT, MAX_TRIALS_PER_NODE, NODE_NAME_PATTERN, check_path)
 # (schemas.cluster.DEFAULT_MARGIN and DEFAULT_MAX_TRIALS are these, for those who import them here)
 from .defaults import (DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_PORT, DEFAULT_SCALE,
                        DEFAULT_STORES)
-from .yamlspec import line_of, load_yaml, not_a_mapping, problem
+from .yamlspec import first_problems, line_of, load_yaml, not_a_mapping, problem
 
 # Node labels become Ray node labels; these come from the node itself (NodeInfo.matches).
 RESERVED_LABELS = ("chip", "name", "os")
@@ -107,7 +106,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     if problems:
         # in file order, whichever check found them
         in_order = sorted(problems, key=lambda p: int(p.removeprefix(f"{path}:").split(":")[0]))
-        raise SpecError([one_line(p) for p in in_order])
+        raise SpecError(first_problems(path, in_order))
     stores = Path(os.path.expanduser(spec.head.stores))
     stores = (path.resolve().parent / stores).resolve()
     return spec.model_copy(update={"head": spec.head.model_copy(update={"stores": str(stores)})})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union, get_args
 
@@ -10,8 +11,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from .defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_LENGTH,
                        DEFAULT_MLP_CHUNK)
-from .limits import (MAX_BATCH, MAX_HIDDEN, MAX_LAYERS, MAX_MEMORY_GB, MAX_NAME_CHARS, MAX_SEED, MAX_STEPS,
-                     MAX_TOKENS, NAME_PATTERN, check_path)
+from .limits import (MAX_BATCH, MAX_HIDDEN, MAX_KEY_CHARS, MAX_LAYERS, MAX_LIST_ITEMS, MAX_MEMORY_GB,
+                     MAX_NAME_CHARS, MAX_SEED, MAX_STEPS, MAX_TOKENS, NAME_PATTERN, check_path)
 from .names import DEMO_ARCHS, METHODS  # noqa: F401 (re-exported)
 from .yamlspec import did_you_mean, load_yaml, validate
 
@@ -58,8 +59,9 @@ class LoraSpec(Strict):
     dropout: float = Field(0.0, ge=0, lt=1)
     num_layers: int = Field(-1, ge=-1, le=MAX_LAYERS,
                             description="last N decoder layers get LoRA; -1 = all")
-    keys: Optional[list[str]] = Field(None, description="module paths in a layer, e.g. self_attn.q_proj; "
-                                                        "default every linear")
+    keys: Optional[list[Annotated[str, Field(max_length=MAX_KEY_CHARS)]]] = Field(
+        None, max_length=MAX_LIST_ITEMS,
+        description="module paths in a layer, e.g. self_attn.q_proj; default every linear")
 
 
 class EarlyStopSpec(Strict):
@@ -238,15 +240,15 @@ def _trackers_list(v):
 
 
 def _each_tracker_once(v: list[TrackerSpec]) -> list[TrackerSpec]:
-    types = [t.type for t in v]
-    twice = sorted({t for t in types if types.count(t) > 1})
+    counts = Counter(t.type for t in v)   # not list.count per item: that is quadratic
+    twice = sorted(t for t, n in counts.items() if n > 1)
     if twice:
         raise ValueError(f"{', '.join(twice)} given more than once")
     return v
 
 
-ReportTo = Annotated[list[TrackerSpec], BeforeValidator(_trackers_list),
-                     AfterValidator(_each_tracker_once)]
+ReportTo = Annotated[list[TrackerSpec], Field(max_length=MAX_LIST_ITEMS),
+                     BeforeValidator(_trackers_list), AfterValidator(_each_tracker_once)]
 
 
 def resolve_trackers(trackers: list[TrackerSpec], folder: Path) -> list[TrackerSpec]:

@@ -51,6 +51,13 @@ MAX_SEED = 2**32 - 1           # train.seed (the engine seeds MLX with seed * 10
 MAX_MEMORY_GB = 65_536         # a node's or a job's memory budget
 MAX_PORT = 65_535              # the head's port (1 ..)
 MAX_TRIALS_PER_NODE = 32       # a node's max_trials (its agent serves this many calls at once)
+# A sweep is expanded into MAX_TRIALS copies of its job at most, each sent to the head
+# and kept in state.db: an 880 KB sweep made 2.2 MB trials, 22 GB in all. So lists are
+# bounded, and so are a trial's job and all of them together, sized before any is built.
+MAX_LIST_ITEMS = 1024          # a list or mapping in a job or sweep (lora.keys, report_to, choice, grid, ...)
+MAX_KEY_CHARS = 255            # one lora.keys entry (a module path in a layer)
+MAX_JOB_BYTES = 100_000        # one trial's job as JSON (a real one is about 1 KB)
+MAX_EXPANDED_BYTES = 100_000_000   # all trials' jobs of one sweep as JSON
 
 # ------------------------------------------------------------------ model folders (config.json)
 
@@ -75,6 +82,7 @@ MAX_ROW_BYTES = 1_000_000      # one row of a data file, read (and tokenised) wh
 # ------------------------------------------------------------------ what we print
 
 MAX_MESSAGE_CHARS = 2000       # one problem line; what the user wrote is shortened to fit
+MAX_PROBLEMS = 50              # problem lines shown for one file, then "and N more problems"
 
 # config.json key -> (least, most) whole number; a key given as null is left to the
 # model's default. Expert counts may be 0 (a dense model of a MoE family).
@@ -225,6 +233,13 @@ def json_depth(value) -> int:
             deepest = max(deepest, d)
             stack.extend((c, d + 1) for c in children)
     return deepest
+
+
+def json_bytes(value) -> int:
+    """Bytes of `value` as JSON (what a trial's job weighs on the wire and in
+    state.db); a YAML value JSON has no type for (a date) counts as its text, a
+    key JSON cannot have is left out."""
+    return len(json.dumps(value, default=str, skipkeys=True, ensure_ascii=False).encode())
 
 
 def path_problem(value: str) -> str:

@@ -10,6 +10,7 @@ in the base job (the base file, or the sweep file's `job:` mapping).
 from __future__ import annotations
 
 import copy
+import functools
 import getpass
 import itertools
 import math
@@ -17,17 +18,18 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, Optional
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Optional
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
 from .errors import SpecError
 from .job import JobSpec, PathStr, ReportTo, Strict, resolve_trackers
-from .limits import (MAX_NAME_CHARS, MAX_PRIORITY, MAX_RETRIES, MAX_STEPS, MAX_SWEEP_NAME_CHARS,
-                     MAX_TRIALS, NAME_PATTERN, one_line, path_problem)
-from .yamlspec import (did_you_mean, line_of, load_yaml, mlx_lm_says, node_at, not_a_mapping,
-                       problem)
+from .limits import (MAX_EXPANDED_BYTES, MAX_JOB_BYTES, MAX_LIST_ITEMS, MAX_NAME_CHARS,
+                     MAX_PRIORITY, MAX_PROBLEMS, MAX_RETRIES, MAX_STEPS, MAX_SWEEP_NAME_CHARS,
+                     MAX_TRIALS, NAME_PATTERN, json_bytes, one_line, path_problem)
+from .yamlspec import (did_you_mean, first_problems, line_of, load_yaml, mlx_lm_says, node_at,
+                       not_a_mapping, problem, problem_line)
 
 DISTRIBUTIONS = ("log_uniform", "uniform", "choice")
 # Job keys holding paths: resolved against the folder of the file that wrote them.
@@ -55,7 +57,8 @@ class Distribution(Strict):
     """One random parameter: exactly one of the three keys."""
     log_uniform: Optional[tuple[float, float]] = Field(None, description="[low, high], 0 < low < high")
     uniform: Optional[tuple[float, float]] = Field(None, description="[low, high], low <= high")
-    choice: Optional[list[Any]] = Field(None, description="values drawn with equal chance")
+    choice: Optional[list[Any]] = Field(None, max_length=MAX_LIST_ITEMS,
+                                        description="values drawn with equal chance")
 
     @model_validator(mode="before")
     @classmethod
@@ -92,7 +95,8 @@ class Distribution(Strict):
 class RandomSpec(Strict):
     seed: int = Field(0, description="draws are the same for the same seed")
     samples: int = Field(ge=1, le=MAX_TRIALS, description="draws; each is combined with every grid point")
-    params: dict[str, Distribution] = Field(min_length=1, description="dotted job key -> distribution")
+    params: dict[str, Distribution] = Field(min_length=1, max_length=MAX_LIST_ITEMS,
+                                            description="dotted job key -> distribution")
 
 
 class SchedulerSpec(Strict):
@@ -133,14 +137,16 @@ class SweepSpec(BaseModel):
                       description="sweep name; trial names are derived from it")
     base: Optional[PathStr] = Field(None, description="job file, relative to this sweep file")
     job: Optional[dict[str, Any]] = Field(None, description="the job inline, instead of base")
-    grid: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(
-        {}, description="dotted job key -> values; the full cross product")
+    # an axis longer than MAX_TRIALS is too many trials on its own
+    grid: dict[str, Annotated[list[Any], Field(min_length=1, max_length=MAX_TRIALS)]] = Field(
+        {}, max_length=MAX_LIST_ITEMS, description="dotted job key -> values; the full cross product")
     random: Optional[RandomSpec] = None
     concurrency: Optional[int] = Field(None, ge=1, le=MAX_TRIALS,
                                        description="trials running at once at most; null = no cap")
     retries: int = Field(3, ge=0, le=MAX_RETRIES,
                          description="extra attempts per trial after oom or a lost node")
-    placement: dict[str, str] = Field({}, description="node labels a trial needs (all must match)")
+    placement: dict[str, str] = Field({}, max_length=MAX_LIST_ITEMS,
+                                      description="node labels a trial needs (all must match)")
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                           description="higher is scheduled first (across sweeps)")
     share: float = Field(1.0, gt=0, le=MAX_SHARE,
@@ -243,7 +249,9 @@ def _validate(path: Path, data, root) -> Sweep:
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as e:
-        problems.extend(problem(path, SweepSpec, root, err) for err in e.errors())
+        for err in e.errors():
+            problems.add_later(path, problem_line(root, err),
+                               lambda err=err: problem(path, SweepSpec, root, err))
         spec = _salvage(data, e.errors())
     given = {k for k, v in data.items() if v is not None}
     base = _base_job(spec, path, root, problems, given) if spec else None
@@ -260,17 +268,36 @@ def _validate(path: Path, data, root) -> Sweep:
         problems.add(f"{path}:{line_of(root, [where])}: {where}: {count} trials is more than "
                      f"{MAX_TRIALS}; split the sweep")
         raise SpecError(problems.in_order(path, base.path))
+    if too_big := _oversized(spec, base, path, root, count):   # before any trial is built
+        problems.add(too_big)
+        raise SpecError(problems.in_order(path, base.path))
     points = _grid_points(spec, path, root, problems)
     draws = _random_draws(spec, path, root, problems)
 
-    trials, cross = [], []
+    trials, cross, checked, weight = [], [], 0, 0
     for index, (point, draw) in enumerate(itertools.product(points, draws)):
+        if len(problems.lines) > MAX_PROBLEMS:   # more than are shown: the rest would repeat them
+            problems.stopped = f" (checking stopped at trial t{index:03d} of {count})"
+            break
+        checked += 1
         name = f"t{index:03d}"
         varied = {**point, **draw}
         trial = _trial(spec, base, index, name, varied, path.parent, problems, cross)
-        if trial is not None:
-            trials.append(trial)
-    _report_cross(cross, len(points) * len(draws), base, problems)
+        if trial is None:
+            continue
+        trials.append(trial)
+        # weighed as built too: the estimate left out defaults and resolved paths
+        size = len(trial.job.model_dump_json().encode())
+        if size > MAX_JOB_BYTES:
+            problems.add(f"{_base_where(base, path, root)}: trial {name}'s job is {size} bytes as "
+                         f"JSON, more than {MAX_JOB_BYTES}", dedupe=("job bytes",))
+        weight += size
+        if weight > MAX_EXPANDED_BYTES:
+            problems.add(f"{_axes_where(spec, base, path, root)}: the trials' jobs pass "
+                         f"{MAX_EXPANDED_BYTES} bytes as JSON at trial {name}; split the sweep "
+                         "or shorten its job")
+            break
+    _report_cross(cross, checked, base, problems)
     if spec.scheduler is not None:
         for trial in trials:
             _check_scheduler(spec.scheduler, trial, path, root, problems)
@@ -279,30 +306,101 @@ def _validate(path: Path, data, root) -> Sweep:
     return Sweep(spec=spec, path=str(path.resolve()), trials=trials)
 
 
+def check_expanded(spec: dict, trials: list) -> Sweep:
+    """A sweep that arrives already expanded (what the head receives: the sweep's
+    keys and each trial's resolved job) held to the models and rules a sweep file
+    is held to: every key of SweepSpec, each trial (TrialSpec: its job a JobSpec),
+    at most MAX_TRIALS of them, and the scheduler against every trial. Returns it
+    as those models read it; raises ValueError with the first problem, one line
+    (`key: message`, worded as for a file)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"spec: expected a mapping, got {type(spec).__name__}")
+    try:
+        sweep = SweepSpec.model_validate(spec)
+    except ValidationError as e:
+        raise ValueError(_unplaced(problem("-", SweepSpec, None, e.errors()[0]))) from None
+    if not isinstance(trials, list) or not 1 <= len(trials) <= MAX_TRIALS:
+        raise ValueError(f"trials: expected a list of 1 to {MAX_TRIALS} trials")
+    # weighed before the models read them: a caller past the CLI sends what it likes
+    sizes = [json_bytes(t.get("job")) if isinstance(t, dict) else 0 for t in trials]
+    if max(sizes) > MAX_JOB_BYTES:
+        raise ValueError(f"trials: a trial's job is {max(sizes):,} bytes as JSON, more than "
+                         f"{MAX_JOB_BYTES:,}")
+    if sum(sizes) > MAX_EXPANDED_BYTES:
+        raise ValueError(f"trials: the trials' jobs are {sum(sizes):,} bytes as JSON, more "
+                         f"than {MAX_EXPANDED_BYTES:,}")
+    out = []
+    for t in trials:
+        name = str(t.get("name"))[:80] if isinstance(t, dict) else "?"
+        if not isinstance(t, dict):
+            raise ValueError(f"trials: expected a mapping per trial, got {type(t).__name__}")
+        try:
+            out.append(TrialSpec.model_validate({k: t.get(k) for k in TrialSpec.model_fields}))
+        except ValidationError as e:
+            raise ValueError(f"trial {name!r}: "
+                             f"{_unplaced(problem('-', TrialSpec, None, e.errors()[0]))}") from None
+    if sweep.scheduler is not None:
+        problems = _Problems()
+        for trial in out:
+            _check_scheduler(sweep.scheduler, trial, Path("-"), None, problems)
+        if problems.lines:
+            raise ValueError(_unplaced(problems.lines[0]))
+    return Sweep(spec=sweep, path="-", trials=out)
+
+
+def _unplaced(line: str) -> str:
+    """A problem line of a spec that came as data, not from a file: without the
+    `-:1: ` where a file's name and line would be."""
+    return one_line(line.removeprefix("-:1: "))
+
+
 # ------------------------------------------------------------------ the parts
+
+
+class _Later(NamedTuple):
+    path: Path
+    line: int
+    make: Callable[[], str]
 
 
 class _Problems:
     """Problem lines in order, each once (every trial repeats the base's own)."""
 
     def __init__(self):
-        self.lines: list[str] = []
+        self.lines: list[str | _Later] = []
         self._seen: set = set()
+        self.stopped = ""   # why checking stopped short, said after "and N more problems"
 
     def in_order(self, *paths: Path) -> list[str]:
-        """By file (in the order given), then line."""
-        def where(line: str):
+        """By file (in the order given), then line; at most MAX_PROBLEMS of them,
+        then "and N more problems"."""
+        def where(line: str | _Later):
+            if isinstance(line, _Later):
+                return paths.index(line.path) if line.path in paths else len(paths), line.line
             for i, p in enumerate(paths):
                 if line.startswith(f"{p}:"):
                     return i, int(line[len(f"{p}:"):].split(":")[0])
             return len(paths), 0
-        return [one_line(line) for line in sorted(self.lines, key=where)]
+        made = lambda line: line.make() if isinstance(line, _Later) else line
+        return first_problems(paths[0], sorted(self.lines, key=where), made, more=self.stopped)
 
     def add(self, line: str, dedupe=None) -> None:
         key = dedupe if dedupe is not None else line
         if key not in self._seen:
             self._seen.add(key)
             self.lines.append(line)
+
+    def add_later(self, path: Path, line: int, make: Callable[[], str]) -> None:
+        """A problem at `path`:`line` whose text is made only if it is shown: its
+        hint costs a fuzzy match, and a file may have 40,000 unknown keys."""
+        self.lines.append(_Later(path, line, make))
+
+    def add_once(self, key, make: Callable[[], str]) -> None:
+        """add(make()), make called only the first time `key` comes: a problem of the
+        base job comes once per trial, and its line costs a fuzzy match."""
+        if key not in self._seen:
+            self._seen.add(key)
+            self.add(make())
 
     def extend(self, lines) -> None:
         for line in lines:
@@ -362,12 +460,56 @@ def _check_key(key: str, where: str, path: Path, line: int, problems: _Problems)
     if key in SET_BY_FLEET:
         problems.add(f"{path}:{line}: {where}: {SET_BY_FLEET[key]}")
         return False
-    keys = [k for k in job_keys() if k not in SET_BY_FLEET]
+    keys = _variable_keys()
     if key not in keys:
         hint = mlx_lm_says(_first_unknown(key, keys))
         problems.add(f"{path}:{line}: {where}: unknown job key" + (hint or did_you_mean(key, keys)))
         return False
     return True
+
+
+@functools.cache
+def _variable_keys() -> list[str]:
+    """The job keys a sweep may vary (made once: a grid may have MAX_LIST_ITEMS keys)."""
+    return [k for k in job_keys() if k not in SET_BY_FLEET]
+
+
+def _oversized(spec: SweepSpec, base: Base, path: Path, root, count: int) -> str | None:
+    """Why the trials' jobs would be too large, or None: estimated before any is
+    built, as the base job as written plus the largest value of each varied key
+    (an 880 KB sweep made 2.2 MB trials, 22 GB in all)."""
+    varied = {("grid", key): max(map(json_bytes, values)) for key, values in spec.grid.items()}
+    for key, dist in (spec.random.params.items() if spec.random else ()):
+        # a drawn float is at most 24 characters
+        varied[("random", "params", key)] = max(map(json_bytes, dist.choice)) if dist.choice else 24
+    own = json_bytes(base.data) + json_bytes([t.model_dump(mode="json") for t in spec.report_to or []])
+    each = own + sum(varied.values())
+    if each > MAX_JOB_BYTES:
+        loc = max(varied, key=varied.get, default=None)
+        where = (f"{path}:{line_of(root, loc)}: {'.'.join(loc)}" if loc and varied[loc] > own
+                 else _base_where(base, path, root))
+        return (f"{where}: a trial's job would be about {each} bytes as JSON, more than "
+                f"{MAX_JOB_BYTES}")
+    if count * each > MAX_EXPANDED_BYTES:
+        return (f"{_axes_where(spec, base, path, root)}: {count} trials of about {each} bytes of "
+                f"job each are about {count * each} bytes as JSON, more than {MAX_EXPANDED_BYTES}; "
+                "split the sweep or shorten its job")
+    return None
+
+
+def _base_where(base: Base, path: Path, root) -> str:
+    """`file:line: key` of the base job as a whole: the sweep's `job:` or the base file."""
+    if base.prefix:
+        return f"{path}:{line_of(root, ['job'])}: job"
+    return f"{base.path}:1: (the base job)"
+
+
+def _axes_where(spec: SweepSpec, base: Base, path: Path, root) -> str:
+    """`file:line: key` of what multiplies the trials: the grid, else random."""
+    for axis in ("grid", "random"):
+        if getattr(spec, axis):
+            return f"{path}:{line_of(root, [axis])}: {axis}"
+    return _base_where(base, path, root)
 
 
 def _first_unknown(key: str, keys: list[str]) -> str:
@@ -467,7 +609,8 @@ def _report(err, base: Base, varied, trial, problems: _Problems, cross: list) ->
     if any(not dotted or key.startswith(dotted + ".") for key in varied):
         cross.append((err, varied, trial))  # a check across fields, some of them varied
         return
-    problems.add(problem(base.path, JobSpec, base.node, err, base.prefix))
+    problems.add_once(("base", err["loc"], err["msg"]),
+                      lambda: problem(base.path, JobSpec, base.node, err, base.prefix))
 
 
 def _report_cross(cross: list, trials: int, base: Base, problems: _Problems) -> None:

@@ -8,14 +8,15 @@ the line the user wrote. Unknown keys get a "did you mean".
 from __future__ import annotations
 
 import difflib
+import weakref
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import SpecError
-from .limits import MAX_SPEC_BYTES, MAX_YAML_DEPTH, one_line, read_bounded
+from .limits import MAX_PROBLEMS, MAX_SPEC_BYTES, MAX_YAML_DEPTH, one_line, read_bounded
 from .mlx_lm_keys import MLX_LM_KEYS
 
 M = TypeVar("M", bound=BaseModel)
@@ -95,7 +96,20 @@ def validate(model: type[M], path: str | Path, data: Any, node: yaml.Node | None
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise SpecError([one_line(_problem(path, model, node, err)) for err in e.errors()]) from None
+        raise SpecError(first_problems(path, e.errors(),
+                                       lambda err: _problem(path, model, node, err))) from None
+
+
+def first_problems(path, items: Sequence, line: Callable[[Any], str] = str,
+                   more: str = "") -> list[str]:
+    """The problem lines of `items` (`line(item)` each, made one line), at most
+    MAX_PROBLEMS of them, then `<path>: and N more problems<more>` when there are
+    more. Lines past the first MAX_PROBLEMS are never made: a hint costs a fuzzy
+    match, and 40,000 bad keys are 40,000 problems."""
+    shown = [one_line(line(item)) for item in items[:MAX_PROBLEMS]]
+    if (n := len(items) - len(shown)) > 0:
+        shown.append(one_line(f"{path}: and {n} more problem{'s' * (n > 1)}{more}"))
+    return shown
 
 
 def not_a_mapping(path, data) -> str:
@@ -107,18 +121,24 @@ def not_a_mapping(path, data) -> str:
 def _problem(path: Path, model: type[BaseModel], node, err: dict, prefix: str = "") -> str:
     loc = _user_loc(node, err["loc"])
     key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "(top)"
-    line = _line_of(node, loc)
+    line = problem_line(node, err)
     msg = err["msg"]
     if err["type"] == "extra_forbidden" and loc:
         choices = _fields_at(model, loc[:-1])
         hint = mlx_lm_says(str(loc[-1])) if _is_job(model) else None
         msg = "unknown key" + (hint or did_you_mean(str(loc[-1]), choices))
     elif err["type"] == "missing":
-        line = _line_of(node, loc[:-1])
         msg = "required key is missing"
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     return f"{path}:{line}: {key}: {msg}"
+
+
+def problem_line(node, err: dict) -> int:
+    """The line `problem` gives a pydantic error (without making its message): a
+    missing key's at its mapping, any other at the key the user wrote."""
+    loc = _user_loc(node, err["loc"])
+    return _line_of(node, loc[:-1] if err["type"] == "missing" else loc)
 
 
 def _user_loc(node, loc) -> list:
@@ -176,10 +196,28 @@ def node_at(node, loc) -> yaml.Node | None:
 def _child(node, part) -> yaml.Node | None:
     """The node under a mapping key or at a sequence index, or None."""
     if isinstance(node, yaml.MappingNode):
-        return next((v for k, v in node.value if k.value == str(part)), None)
+        entry = _entries(node).get(str(part))
+        return entry[1] if entry else None
     if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
         return node.value[part]
     return None
+
+
+# A mapping node's key -> (key node, value node), made once per mapping: looking a
+# key up by scanning made every problem cost the mapping's length (40,000 unknown
+# keys took minutes). Weak keys: the index goes with its node tree.
+_INDEX: "weakref.WeakKeyDictionary[yaml.MappingNode, dict]" = weakref.WeakKeyDictionary()
+
+
+def _entries(node: yaml.MappingNode) -> dict:
+    index = _INDEX.get(node)
+    if index is None:
+        index = {}
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode):
+                index.setdefault(k.value, (k, v))   # the first written, as a scan found it
+        _INDEX[node] = index
+    return index
 
 
 def line_of(node, loc) -> int:
@@ -192,12 +230,10 @@ def _line_of(node, loc) -> int:
     line = (node.start_mark.line + 1) if node is not None else 1
     for part in loc:
         if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == str(part):
-                    line, node = k.start_mark.line + 1, v
-                    break
-            else:
+            entry = _entries(node).get(str(part))
+            if entry is None:
                 return line
+            line, node = entry[0].start_mark.line + 1, entry[1]
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
             node = node.value[part]
             line = node.start_mark.line + 1

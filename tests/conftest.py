@@ -3,7 +3,9 @@ demo code and loaded through mlx-lm's loader, and a runner for the real CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +52,8 @@ SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle
     "test_memory.py::test_segment_size_one_peaks_below_plain_and_checkpoint",   # 4 s
     "test_gemma4_model.py::test_init_demo_gemma4_orpo",                         # 3 s
     "test_trackers.py::test_a_sweep_streams_one_run_per_trial_grouped_per_sweep",  # 2 engine runs
+    "test_no_phone_home.py::test_segctl_train_with_every_tracker_stays_on_this_machine",  # 5 s
+    "test_no_phone_home.py::test_the_probes_see_mlflow_telemetry_when_the_user_opts_in",  # 5 s
 }
 # Tests that use these fixtures (test_measured's `probed`: the demo probed at every
 # grid point in fresh processes, 7 s) are slow with them.
@@ -97,6 +101,20 @@ def assert_one_line_error(proc, *fragments, code=2):
     for f in fragments:
         assert f in err, (f, err)
     return err
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An SQLite file held by another connection's exclusive lock, as another
+    process holding it would, for the duration of the block."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
 
 
 def free_earlier_arrays() -> None:

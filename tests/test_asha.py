@@ -96,6 +96,8 @@ def test_segctl_validate_refuses_bad_schedulers_in_one_line(tmp_path, demo_dir):
 def asha_sweep(payload, n: int) -> dict:
     p = sweep_of(payload, "s", n=n, segment_size=1, retries=3)
     p["spec"]["scheduler"] = dict(ASHA)
+    for t in p["trials"]:   # as validate requires: an eval at every rung, max_steps iters
+        t["job"]["train"].update(iters=ASHA["max_steps"], eval_every=ASHA["grace_steps"])
     return p
 
 
@@ -247,6 +249,6 @@ def test_the_head_refuses_a_bad_scheduler_that_skipped_the_cli(tmp_path, payload
     c = World().controller(tmp_path)
     p = asha_sweep(payload, 1)
     p["spec"]["scheduler"]["reduction"] = 1
-    with pytest.raises(ValueError, match="^scheduler: ") as e:
+    with pytest.raises(ValueError, match="^scheduler.reduction: ") as e:
         c.submit(p)
     assert "\n" not in str(e.value) and not c.state.sweeps()

@@ -25,6 +25,7 @@ from segctl.orchestrator.state import StateError
 from segctl.orchestrator.submit import prepare
 from segctl.schemas.records import AttemptResult, NodeInfo
 from segctl.schemas.sweep import load_sweep
+from tests.conftest import locked
 
 
 class Ref:
@@ -136,6 +137,21 @@ def ok(ref: Ref, aid: int, adapter_dir: Path, ended: float | None = None) -> Non
 
 def running(agent: Agent) -> list[Ref]:
     return [r for r in agent.runs() if not r.done]
+
+
+def run_placed(world: World, c: Controller, work: Path) -> None:
+    """Run every attempt the controller has placed through the real engine, in a
+    process of its own as a node would, feed its events to the head, and settle it."""
+    from segctl.node.attempt import run_attempt
+    for agent in world.agents.values():
+        for ref in running(agent):
+            spec = ref.args[0]
+            r = run_attempt(spec, work,
+                            send_events=lambda batch, a=spec.attempt: c.ingest(a, batch),
+                            send_checkpoint=lambda step, files: None,
+                            on_started=lambda pid, t, a=spec.attempt: c.started(a, pid, t))
+            assert r.outcome == "succeeded", r.message
+            ref.settle(r)
 
 
 def trials(c: Controller, sid: str) -> dict[str, str]:
@@ -512,16 +528,10 @@ def test_state_db_and_inputs_are_private(tmp_path, payload):
 def test_a_locked_state_db_is_one_line_saying_who_holds_it(tmp_path, monkeypatch):
     from segctl.orchestrator import state
     World().controller(tmp_path).state.con.close()
-    holder = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
-    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
-    holder.execute("BEGIN EXCLUSIVE")
     monkeypatch.setattr(state, "LOCK_WAIT_S", 0.3)
-    try:
+    with locked(tmp_path / "state.db"):
         with pytest.raises(StateError, match="locked by another process"):
             World().controller(tmp_path)
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
 
 
 # ------------------------------------------------------------------ several trials per node

@@ -13,6 +13,8 @@ import pty
 import select
 import shutil
 import signal
+import sqlite3
+import stat
 import subprocess
 import sys
 import time
@@ -155,6 +157,8 @@ def test_report_data_is_the_sweeps(swept, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert gathered["source"] == "manifest" and gathered["entries"] == manifest
     assert manifest == data["best"]["entries"][:2]   # the same entries, files' sha256 too
+    # each file checked against the sha256 its node recorded (resumed trials included)
+    assert all(e["verified"] for e in manifest) and stat.S_IMODE(out.stat().st_mode) == 0o700
 
 
 def test_report_while_trials_run_reads_their_staged_telemetry(swept):
@@ -222,3 +226,87 @@ def test_report_opens_in_headless_chromium(swept, tmp_path):
     band = img.crop((0, 380, 1400, 720))
     assert len(band.getcolors(1 << 20)) > 300
     assert len(img.getcolors(1 << 20)) > 1000
+
+
+def dump_dom(page, timeout=120) -> str:
+    """The page's DOM once its script ran, from headless Chromium (without the
+    OpenBLAS preload the tests run under: it breaks Chromium)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    dom = subprocess.run([CHROMIUM, *HEADLESS, "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=timeout, env=env)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    return dom.stdout
+
+
+def head_of(dom: str) -> str:
+    return dom[:dom.index(">", dom.index("<html")) + 1]
+
+
+# What a client holding the head's token could put in a sweep's fields (the head
+# took `retries` unchecked): each, if parsed as markup, would set the page's title.
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
+SCRIPTED = "</script><script>document.title='pwned'</script><!--"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary")
+def test_hostile_stored_fields_render_inert(swept, tmp_path):
+    home = tmp_path / "home"
+    shutil.copytree(swept["home"], home)
+    db = sqlite3.connect(home / "state.db")
+    with db:
+        spec = json.loads(db.execute("SELECT spec FROM sweeps WHERE id = ?",
+                                     (swept["sweep"],)).fetchone()[0])
+        spec.update(retries=HOSTILE, concurrency=SCRIPTED, scheduler={"type": HOSTILE})
+        db.execute("UPDATE sweeps SET spec = ?, name = ? WHERE id = ?",
+                   (json.dumps(spec), HOSTILE, swept["sweep"]))
+        db.execute("UPDATE trials SET message = ?, params = ? WHERE sweep = ?",
+                   (SCRIPTED, json.dumps({HOSTILE: HOSTILE, "lr": SCRIPTED}), swept["sweep"]))
+        db.execute("UPDATE attempts SET node = ?, message = ?, chip = ? WHERE sweep = ?",
+                   (HOSTILE, SCRIPTED, HOSTILE, swept["sweep"]))
+    db.close()
+    page = tmp_path / "r.html"
+    proc = segctl("report", swept["sweep"], "--out", page, env={"SEGCTL_HOME": home,
+                                                                 "SEGCTL_CLUSTER": None})
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    assert "<img" not in text and "</script><script>" not in text and "<!--" not in text
+    assert "retries &lt;img src=x onerror=&quot;document.title=" in text   # shown, as text
+
+    dom = dump_dom(page)
+    head = head_of(dom)
+    assert "data-errors" not in head and 'data-charts="' in head, head
+    assert "<title>segctl report:" in dom and "pwned</title>" not in dom
+    assert "<img" not in dom and dom.count("<script") == 3   # ours: catch, data, plot
+    assert "&lt;img src=x onerror=" in dom   # the node names, messages, params: as text
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary")
+def test_a_thousand_trials_of_a_thousand_points_draw(swept, tmp_path):
+    """Past ~240,000 points `Math.max(...xs)` overflowed the stack: the charts take
+    their extrema in loops. The page is the real sweep's report with its trials
+    multiplied to 1,000, each with 1,000 loss points."""
+    data = report.collect(swept["home"], swept["sweep"])
+    real = data["trials"]
+    trials = []
+    for i in range(1000):
+        t = json.loads(json.dumps(real[i % len(real)]))
+        t["trial"], t["short"] = f"{swept['sweep']}-t{i:04d}", f"t{i:04d}"
+        t["params"] = {"train.learning_rate": 1e-5 * (1 + i), "lora.rank": 4 << (i % 3)}
+        t["loss"] = [[s, round(3.0 / (1 + s / 200) + (i % 7) * 0.01, 6)] for s in range(1, 1001)]
+        t["evals"] = [[s, round(3.2 / (1 + s / 200) + (i % 5) * 0.01, 6)]
+                      for s in range(100, 1001, 100)]
+        t["steps"], t["best_val_loss"] = 1000, t["evals"][-1][1]
+        trials.append(t)
+    data["trials"] = trials
+    page = tmp_path / "big.html"
+    page.write_text(report.render(data))
+
+    tic = time.perf_counter()
+    dom = dump_dom(page, timeout=180)
+    seconds = time.perf_counter() - tic
+    head = head_of(dom)
+    assert "data-errors" not in head, head[:3000]
+    assert 'data-charts="7"' in head, head
+    assert '<span id="trial-count">1000</span>' in dom
+    assert dom.count("<path") > 2 * 1000   # every trial's loss line (raw and smoothed)
+    assert seconds < 120, seconds

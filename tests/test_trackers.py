@@ -145,10 +145,9 @@ def test_a_sweep_streams_one_run_per_trial_grouped_per_sweep(demo_dir, tmp_path)
     process) whose event batches reach the head through Controller.ingest as an agent's
     would. One TensorBoard folder and one MLflow run per trial under the sweep, each
     with the swept params and the loss the head sealed into Parquet."""
-    from segctl.node.attempt import run_attempt
     from segctl.orchestrator.submit import prepare
     from segctl.schemas.sweep import load_sweep
-    from tests.test_head_isolation import World, running
+    from tests.test_head_isolation import World, run_placed
 
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({
@@ -161,15 +160,7 @@ def test_a_sweep_streams_one_run_per_trial_grouped_per_sweep(demo_dir, tmp_path)
     c = world.controller(home)
     sid = c.submit(prepare(load_sweep(path), {}))
     world.turns(c, 1)
-    for agent in world.agents.values():
-        for ref in running(agent):
-            spec = ref.args[0]
-            r = run_attempt(spec, tmp_path / "work",
-                            send_events=lambda batch, a=spec.attempt: c.ingest(a, batch),
-                            send_checkpoint=lambda step, files: None,
-                            on_started=lambda pid, t: None)
-            assert r.outcome == "succeeded", r.message
-            ref.settle(r)
+    run_placed(world, c, tmp_path / "work")
     world.turns(c, 3)   # a turn files ended attempts for FILE_S at most, the rest the next
     assert c.trackers.flush()
     states = {t["id"]: t["state"] for t in c.state.trials(sid)}

@@ -112,6 +112,12 @@ def safetensors(header: dict) -> bytes:
 # "billion laughs": 9 ** 9 "lol"s in about 500 bytes
 LAUGHS = "".join([f'a: &a [{", ".join(["lol"] * 9)}]\n'] + [
     f'{b}: &{b} [{", ".join([f"*{a}"] * 9)}]\n' for a, b in zip("abcdefgh", "bcdefghi")])
+# lora.keys entries of the longest allowed count, each `chars` long (a real one is ~16)
+def lora_keys(chars: int, count: int = 1024) -> list[str]:
+    return [f"layer{i:04d}." + "p" * (chars - 10) for i in range(count)]
+
+
+GRID_100_100 = {"lora.rank": list(range(1, 101)), "train.seed": list(range(100))}
 GRID_32_6 = {k: list(range(1, 33)) for k in (
     "lora.rank", "train.iters", "train.warmup", "train.eval_every", "train.checkpoint_every",
     "memory.head_chunk")}
@@ -185,6 +191,44 @@ CASES = [
          sweep(priority=2**70)),
     Case("retries-huge", (V, "sweep.yaml"), "retries: Input should be less than or equal to 100",
          sweep(retries=10**9)),
+
+    # ---- bounded expansion: every list, one trial's job, all the trials' jobs (sized before
+    # any is built: an 880 KB sweep made 2.2 MB per trial, ~22 GB in all)
+    Case("lora-keys-5000", (V, "job.yaml"), "lora.keys: List should have at most 1024 items",
+         job(lora__keys=["self_attn.q_proj"] * 5000)),
+    Case("lora-keys-5000-train", (T, "job.yaml"), "lora.keys: List should have at most 1024 items",
+         job(lora__keys=["self_attn.q_proj"] * 5000)),
+    Case("lora-key-long", (V, "job.yaml"), "lora.keys.0: String should have at most 255 characters",
+         job(lora__keys=["p" * 300])),
+    Case("report-to-2000", (V, "job.yaml"), "report_to: List should have at most 1024 items",
+         job(report_to=["tensorboard"] * 2000)),
+    Case("report-to-sweep-2000", (V, "sweep.yaml"), "report_to: List should have at most 1024 items",
+         sweep(report_to=["tensorboard"] * 2000)),
+    Case("choice-2000", (V, "sweep.yaml"), "random.params.train.seed.choice: List should have at "
+         "most 1024 items", sweep(grid={}, random={"samples": 1, "params": {
+             "train.seed": {"choice": list(range(2000))}}})),
+    Case("random-params-2000", (V, "sweep.yaml"), "random.params: Dictionary should have at most 1024",
+         sweep(grid={}, random={"samples": 1, "params": {
+             f"k{i}": {"uniform": [0, 1]} for i in range(2000)}})),
+    Case("grid-keys-2000", (V, "sweep.yaml"), "grid: Dictionary should have at most 1024 items",
+         sweep(grid={f"k{i}": [1] for i in range(2000)})),
+    Case("grid-axis-20000", (V, "sweep.yaml"), "grid.train.seed: List should have at most 10000 items",
+         sweep(grid={"train.seed": list(range(20000))})),
+    Case("placement-2000", (V, "sweep.yaml"), "placement: Dictionary should have at most 1024 items",
+         sweep(placement={f"k{i}": "v" for i in range(2000)})),
+    Case("job-200-kb", (P, "sweep.yaml"), "job.yaml:1: (the base job): a trial's job would be about "
+         "2", job(lora__keys=lora_keys(200))),
+    Case("job-200-kb-single", (S, "job.yaml"), "job.yaml:1: (the base job): a trial's job would be",
+         job(lora__keys=lora_keys(200))),
+    Case("inline-job-200-kb", (V, "sweep.yaml"), "sweep.yaml:2: job: a trial's job would be about",
+         {"sweep.yaml": edit({"name": "s", "job": {**JOB, "model": "model", "lora": {
+             "keys": lora_keys(200)}}}, {})}),
+    Case("grid-value-200-kb", (V, "sweep.yaml"), "grid.lora.keys: a trial's job would be about",
+         sweep(grid={"lora.keys": [["self_attn.q_proj"], lora_keys(200)]})),
+    Case("expands-to-gb", (S, "sweep.yaml"), "grid: 10000 trials of about 9",
+         {**job(lora__keys=lora_keys(90)), **sweep(grid=GRID_100_100)}),
+    Case("expands-to-gb-validate", (V, "sweep.yaml"), "more than 100000000; split the sweep",
+         {**job(lora__keys=lora_keys(90)), **sweep(grid=GRID_100_100)}),
 
     # ---- jobs: numbers in range
     Case("seed-negative", (T, "job.yaml"), "train.seed: Input should be greater than or equal to 0",

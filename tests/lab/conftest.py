@@ -4,6 +4,8 @@ be made (not root, not Linux, no sshd, no namespaces)."""
 
 from __future__ import annotations
 
+import json
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -17,6 +19,40 @@ HOSTS = 3
 def ssh(lab: lablib.Lab, host, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(lablib.ssh_argv(lab, host, command), capture_output=True, text=True,
                           timeout=timeout)
+
+
+# Run in a host with a secret on stdin (so no process of the probe carries it on
+# its command line) and paths as arguments: prints, as JSON, every place the host
+# can read the secret from: each process's /proc cmdline and environ, the token
+# file under each process's root (~/.segctl, a head's ~/stores) and working
+# folder, each path given.
+_PROBE = """
+import json, os, sys
+secret = sys.stdin.read().strip().encode()
+places = list(sys.argv[1:])
+for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+    places += [f"/proc/{pid}/{part}" for part in (
+        "cmdline", "environ", "cwd/auth_token", "root/root/.segctl/auth_token",
+        "root/root/stores/auth_token")]
+found = []
+for place in places:
+    try:
+        with open(place, "rb") as f:
+            if secret in f.read():
+                found.append(place)
+    except OSError:
+        pass
+print(json.dumps(found))
+"""
+
+
+def where_readable(lab: lablib.Lab, host, secret: str, paths=()) -> list[str]:
+    """Where `host` can read `secret` (see _PROBE), over ssh."""
+    proc = subprocess.run(lablib.ssh_argv(lab, host, " ".join(
+        ["python", "-c", shlex.quote(_PROBE), *map(shlex.quote, map(str, paths))])),
+        input=secret, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
 
 
 def run_in(host: lablib.Host, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:

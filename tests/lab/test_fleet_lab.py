@@ -31,7 +31,7 @@ import pytest
 from segctl.orchestrator import lab as lablib
 from tests.conftest import segctl
 
-from .conftest import commands, ssh
+from .conftest import commands, ssh, where_readable
 
 LAB_HOSTS = 5
 NODES = {"h2": "h2", "h3": "198.18.0.13", "h4": "root@h4"}   # name -> ssh target
@@ -93,11 +93,12 @@ def test_cluster_up_from_h1_joins_every_node_over_ssh(fleet):
     assert info["address"] == f"198.18.0.11:{HEAD_PORT}" and info["join"] == info["address"]
     assert {n: r["host"] for n, r in info["nodes"].items()} == NODES
     # each node's `ray start` runs in its own host, started there by `segctl node start`
+    # (its pid as the host numbers it: each host has a process table of its own)
     for name, rec in info["nodes"].items():
-        assert rec["pid"] in lablib.pids(lab.host(name)), name
+        assert rec["pid"] in _host_pids(lab, name), name
         here = json.loads((host_dir(lab, name) / "home/.segctl/here.json").read_text())
         assert [(e["role"], e["name"], e["pid"]) for e in here] == [("node", name, rec["pid"])]
-    assert info["head"]["pid"] in lablib.pids(lab.host("h1"))
+    assert info["head"]["pid"] in _host_pids(lab, "h1")
     nodes = cluster_status(fleet)
     assert set(nodes) == {"(head)", *NODES}
     assert nodes["(head)"]["head"] and not nodes["(head)"]["trains"]
@@ -195,11 +196,12 @@ def test_an_outsider_cannot_join(fleet):
 def _forge_fleet_record(lab) -> None:
     """In h5: the cluster file, and a fleet.json as the head's would read, naming
     the head's address and a live local process as "the head" (so segctl goes as
-    far as Ray), with a token of its own: all an outsider can know."""
+    far as Ray), with a token of its own: all an outsider can know. The live
+    process is h5's sshd: pid 1 in h5."""
     h5 = lab.host("h5")
     record = {"address": f"198.18.0.11:{HEAD_PORT}", "port": HEAD_PORT,
               "token_path": "/root/stores/auth_token", "join": f"198.18.0.11:{HEAD_PORT}",
-              "head": {"pid": h5.sshd_pid, "started": h5.sshd_started, "node": None}, "nodes": {}}
+              "head": {"pid": 1, "started": h5.sshd_started, "node": None}, "nodes": {}}
     run(lab, "h5", f"printf %s {shlex.quote(CLUSTER)} > cluster.yaml && "
                    "segctl init-demo demo >/dev/null && mkdir -m 700 -p stores && "
                    f"(umask 077; echo {WRONG_TOKEN} > stores/auth_token; "
@@ -321,8 +323,8 @@ def test_ports_are_bound_to_the_fleet_address_but_rays_known_exceptions(fleet):
                                if proc != "ray::IDLE" and not proc.startswith("ray::node_ports")}
         listed_rows = [(p["process"], p["pid"], p["address"], p["port"])
                        for p in entry["listening"]]
-        assert steady(ray_side) <= steady(listed_rows) | _gone(ray_side), (name, ray_side,
-                                                                          listed_rows)
+        assert steady(ray_side) <= steady(listed_rows) | _gone(lab, name, ray_side), (
+            name, ray_side, listed_rows)
         assert entry["address"] == host.address
 
 
@@ -345,6 +347,24 @@ def test_the_token_is_private_and_in_no_log_or_json_output(fleet):
         for pid in lablib.pids(h):
             for part in ("cmdline", "environ"):
                 assert token.encode() not in _read(Path(f"/proc/{pid}/{part}")), (h.name, pid)
+
+
+def test_an_outsider_cannot_read_the_token_through_proc_or_the_lab_folder(fleet):
+    """h5 looks for the token in every process it can see (command line,
+    environment, the token file under its root and working folder) and in every
+    host's token file on this machine's disk: nothing. The same look from h2 finds
+    its own copy through its own Ray processes (the look is one that finds)."""
+    lab = fleet["lab"]
+    token = (host_dir(lab, "h1") / "home/stores/auth_token").read_text().strip()
+    on_disk = [host_dir(lab, "h1") / "home/stores/auth_token"] + \
+        [host_dir(lab, n) / "home/.segctl/auth_token" for n in NODES]
+    members = [p for n in ("h1", *NODES) for p in lablib.pids(lab.host(n))]
+    assert where_readable(lab, "h5", token, on_disk +
+                          [f"/proc/{p}/root/root/.segctl/auth_token" for p in members]) == []
+    seen_by_h2 = where_readable(lab, "h2", token)
+    ray_node = fleet["info"]["nodes"]["h2"]["pid"]
+    assert f"/proc/{ray_node}/root/root/.segctl/auth_token" in seen_by_h2, seen_by_h2
+    assert not [p for p in seen_by_h2 if not p.endswith("/auth_token")], seen_by_h2
 
 
 def test_cluster_down_leaves_only_sshd_on_every_host(fleet):
@@ -416,9 +436,17 @@ def _ss(lab, name: str) -> list[tuple[str, int, str, int]]:
     return rows
 
 
-def _gone(rows) -> set:
-    """Rows whose process has exited since (a worker Ray let go meanwhile)."""
-    return {(pid, b, port) for _, pid, b, port in rows if not Path(f"/proc/{pid}").exists()}
+def _host_pids(lab, name: str) -> set[int]:
+    """The processes of host `name` as it numbers them (what its `ps` and segctl's
+    records there say)."""
+    return {lablib.inner_pid(p) for p in lablib.pids(lab.host(name))}
+
+
+def _gone(lab, name: str, rows) -> set:
+    """Rows of host `name` whose process has exited since (a worker Ray let go
+    meanwhile)."""
+    live = _host_pids(lab, name)
+    return {(pid, b, port) for _, pid, b, port in rows if pid not in live}
 
 
 def _files(root: Path):

@@ -1,9 +1,12 @@
 """What a lab host is: its own address on a shared segment, its own home and
-/tmp, real ssh with segctl on the PATH, and Ray spanning hosts."""
+/tmp, its own process table, real ssh with segctl on the PATH, and Ray
+spanning hosts."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -13,7 +16,7 @@ from pathlib import Path
 from segctl.node import raynode
 from segctl.orchestrator import lab as lablib
 
-from .conftest import HOSTS, commands, run_in, ssh
+from .conftest import HOSTS, commands, run_in, ssh, where_readable
 
 # Connects to every ADDRESS:PORT given and prints which answered: run inside a
 # host, it is that host's view of the network (no `ping` on this machine).
@@ -69,6 +72,41 @@ def test_home_and_tmp_are_private_to_each_host(lab):
     assert not (h2.home / ".segctl" / mark).exists()
 
 
+def test_a_host_sees_only_its_own_processes_and_files(lab):
+    """A process of h2 with a secret in its token file, its working folder, its
+    environment and its command line: h2 itself reads it every way (the probe
+    works), h3 (the outsider) none, through /proc or the lab's folders, and no
+    /proc of this machine lies under h3's to uncover."""
+    h2, h3 = lab.host("h2"), lab.host("h3")
+    secret = uuid.uuid4().hex
+    started = subprocess.run(lablib.ssh_argv(lab, h2, (
+        "mkdir -p ~/.segctl && cd ~/.segctl && (umask 077; cat > auth_token) && "
+        "s=$(cat auth_token) && { SEGCTL_SECRET=$s setsid python -c "
+        "'import time; time.sleep(300)' $s </dev/null >/dev/null 2>&1 & echo $!; }")),
+        input=secret, capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    inner = int(started.stdout.split()[0])
+    [member] = [p for p in lablib.pids(h2) if lablib.inner_pid(p) == inner]
+    on_disk = h2.home / ".segctl" / "auth_token"
+    try:
+        # (every process of h2 has h2's root: the token file under each one's)
+        assert {f"/proc/{inner}/{part}" for part in (
+                "cmdline", "environ", "cwd/auth_token", "root/root/.segctl/auth_token")
+                } | {str(on_disk)} <= set(where_readable(lab, h2, secret, [on_disk]))
+        assert where_readable(lab, h3, secret, [on_disk, f"/proc/{member}/environ"]) == []
+        # h3's process table is its own: no pid of h2's there, however numbered
+        listed = ssh(lab, h3, "ps -e -o pid=,args=")
+        assert listed.returncode == 0 and secret not in listed.stdout, listed
+        assert {int(line.split()[0]) for line in listed.stdout.splitlines()} <= \
+            set(range(1, 1000)), listed.stdout      # numbered from 1 in h3
+        # and unmounting h3's /proc uncovers nothing (a copy of its mounts, so h3 keeps its own)
+        under = ssh(lab, h3, "env -u LD_PRELOAD unshare --mount --propagation private sh -c "
+                             "'umount -l /proc && ls -A /proc'")
+        assert under.returncode == 0 and under.stdout == "", under
+    finally:
+        os.kill(member, signal.SIGKILL)
+
+
 def test_ssh_finds_segctl_and_each_host_has_its_name(lab):
     helped = ssh(lab, "h1", "segctl --help")
     assert helped.returncode == 0, helped.stderr
@@ -96,15 +134,20 @@ print(json.dumps(alive))
 
 
 def _ray_start(lab, host, args: list[str]) -> dict:
-    """`ray start --block` in `host`, as a child of our own session so that its
-    pid (the same on this machine: hosts share the pid namespace) and its
-    process group stop it."""
+    """`ray start --block` in `host`, in a session of our own: nsenter (`proc`)
+    runs it as its child in the host's PID namespace; that child's pid as this
+    machine numbers it (and its descendants) stop it."""
     argv = ["ray", "start", "--block", "--disable-usage-stats", "--num-cpus", "1",
             "--object-store-memory", str(80 * 2**20), "--node-ip-address", host.address, *args]
     with open(lab.root / host.name / "ray-start.log", "ab") as log:
         proc = subprocess.Popen(lablib.inside(host, argv), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return {"pid": proc.pid, "started": raynode.start_time(proc.pid), "proc": proc}
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 10
+    while not (pid := int((children.read_text().split() or [0])[0])):
+        assert proc.poll() is None and time.monotonic() < deadline, "nsenter started nothing"
+        time.sleep(0.01)
+    return {"pid": pid, "started": raynode.start_time(pid), "proc": proc}
 
 
 def test_ray_forms_one_cluster_across_two_hosts(lab):
