@@ -36,7 +36,7 @@ HEAD_PORT = DEFAULT_PORT
 def ssh(lab, host: str, command: str, timeout: float = 900):
     import subprocess
 
-    from segctl.orchestrator import lab as lablib
+    from segctl import lab as lablib
     return subprocess.run(lablib.ssh_argv(lab, host, command), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -81,7 +81,7 @@ def sweep_once(lab, nodes: list[str], trials: int, iters: int, max_trials: int) 
 INGEST = """
 import json, time, ray
 from bench.orchestrator import step_events
-from segctl.orchestrator.head import HEAD_NAME, NAMESPACE
+from segctl.orchestrator.actor import HEAD_NAME, NAMESPACE
 ray.init(address="198.18.0.11:{port}", namespace=NAMESPACE, log_to_driver=False)
 head = ray.get_actor(HEAD_NAME, namespace=NAMESPACE)
 events = step_events({rows}, seq0=1_000_000)
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--max-trials", default="1,2,4", help="comma-separated; 1 is the baseline")
     a = ap.parse_args()
-    from segctl.orchestrator import lab as lablib
+    from segctl import lab as lablib
     why = lablib.why_not()
     if why:
         row(bench="lab", skipped=why)

@@ -130,7 +130,7 @@ import json, sys, time, ray
 sys.path.insert(0, {str(ROOT)!r})
 from bench.orchestrator import step_events
 from segctl.orchestrator import fleet
-from segctl.orchestrator.head import get_head
+from segctl.orchestrator.actor import get_head
 from segctl.schemas.cluster import load_cluster
 spec = load_cluster({str(d / 'cluster.yaml')!r})
 fleet.connect(spec, start=False)

@@ -154,7 +154,7 @@ def run(a) -> dict:
 
     from bench.simfleet import SimHead
     from segctl.orchestrator import fleet
-    from segctl.orchestrator.head import HEAD_NAME, NAMESPACE
+    from segctl.orchestrator.actor import HEAD_NAME, NAMESPACE
     from segctl.orchestrator.state import read as read_state
     from segctl.orchestrator.submit import prepare
     from segctl.schemas.cluster import ClusterSpec, HeadSpec

@@ -33,7 +33,8 @@ import numpy as np
 import ray
 
 from segctl.node.attempt import FLUSH_ROWS
-from segctl.orchestrator.head import Controller, Head
+from segctl.orchestrator.actor import Head
+from segctl.orchestrator.head import Controller
 from segctl.schemas import events as ev
 from segctl.schemas.records import AttemptResult, AttemptSpec, NodeInfo
 

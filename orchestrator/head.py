@@ -1,18 +1,29 @@
-"""The head: a detached Ray actor that owns state.db and the stores and runs the
-controller loop (what runs next, where, and what to do when it ends).
+"""The head's controller: it owns state.db and the stores and runs the loop (what
+runs next, where, and what to do when it ends). orchestrator/actor.py runs it as
+a detached Ray actor.
+
+The controller decides nothing itself: it reads typed records (snapshot.py, from
+state.py), asks a policy, a pure function of those records, and applies the
+decision (state.db, the stores, the agents):
+  placement.py   where a pending trial goes, at which plan, lent how much memory,
+                 or why it waits; fairshare.py: whose trial is tried next;
+  outcomes.py    what an ended attempt means for its trial: retry, re-plan, fail;
+  asha.py        early stopping at the rungs (the sweep key `scheduler:`);
+  probing.py     which node measures each queued class of a tune.
 
 One loop, top to bottom each turn:
   1. see which nodes are alive (Ray's node table) and give each an agent;
-  2. collect attempts that ended and apply their outcome (the state machine);
-  3. place pending trials: highest priority first, among equal priorities the
-     sweep furthest below its fair share (orchestrator/scheduler.py), the sweep's
-     concurrency cap holds, only on nodes where the planner predicts the trial
+  2. collect attempts that ended and apply their outcome;
+  3. place pending trials: a tune's probes first, then highest priority first,
+     among equal priorities the sweep furthest below its fair share, under the
+     sweep's concurrency cap, only on nodes where the planner predicts the trial
      fits. A node takes up to its max_trials at once: each attempt holds the
      memory its plan predicts (plus the margin) and is guarded at that, and the
      next trial is planned in what is left. Each trial left pending gets the
      reason it waits in state.db (`segctl status` shows it).
 Agents call back into the same actor (`started`, `ingest`, `checkpoint`), which
-makes this actor the collector: the stores' only writer.
+makes this actor the collector: the stores' only writer. Time is the injected
+`clock` alone (a test's fake clock drives every decision that depends on it).
 
 No failure stops the loop. Each is charged to the smallest thing it belongs to:
 a sweep that cannot be planned fails that sweep, an agent that raises ends that
@@ -23,11 +34,10 @@ wrong goes to logs/head.log (rotated).
 
 from __future__ import annotations
 
-import hashlib
+import copy
 import json
 import logging
 import logging.handlers
-import os
 import threading
 import time
 from collections import Counter, deque
@@ -35,27 +45,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 import ray
-from pydantic import ValidationError
 
-from segctl.node import models
 from segctl.node.raynode import private_dir
-from segctl.schemas.atomic import write_atomic
-from segctl.schemas.defaults import (DEFAULT_MARGIN, DEFAULT_MLP_CHUNK, DEFAULT_SCALE, TELEMETRY_CALLS_PER_S,
+from segctl.schemas.defaults import (DEFAULT_MARGIN, DEFAULT_SCALE, TELEMETRY_CALLS_PER_S,
                                      TELEMETRY_FLUSH_S)
 from segctl.schemas.job import JobSpec
-from segctl.schemas.records import (OUTCOME_MOVES, TERMINAL, AttemptResult, AttemptSpec,
-                                    AttemptStatus, NodeInfo, Outcome, ProbeSpec, SweepState,
-                                    TrialState, TuneState)
-from segctl.schemas.sweep import SchedulerSpec, SweepSpec
+from segctl.schemas.records import (TERMINAL, AttemptResult, AttemptSpec, AttemptStatus, NodeInfo,
+                                    Outcome, SweepState, TrialState, TuneState)
 
-from . import measured, planner, scheduler
-from .state import State, read as read_state
+from . import asha, fairshare, measured, outcomes, placement, planner, probing
+from .intake import check_payload, error_line, keep_inputs, read_input
+from .snapshot import Trial
+from .state import State, attempt_of, sweep_record, trial_of
 from .stores import Stores
 from .trackers import HeadStreams
 
-HEAD_NAME = "segctl-head"
 LOG_BYTES, LOG_KEEP = 1 << 20, 3      # head.log rotates at 1 MiB, three old ones kept
-NAMESPACE = "segctl"
 TICK_S = 0.2
 FILE_S = 0.5          # a turn files ended attempts for this long at most, then places again
 # Ended attempts' results (their adapters) the head holds in memory while they wait to
@@ -120,13 +125,8 @@ class Controller:
         """payload: name, path, spec (the sweep file as a dict, plus `planner`),
         trials [{index, name, params, job, model_info, seq_len, inputs: {file: sha}}],
         blobs {sha: bytes} (the data files, shipped from the submitting machine)."""
-        sweep = _check_payload(payload)
-        for sha, blob in payload["blobs"].items():
-            if hashlib.sha256(blob).hexdigest() != sha:
-                raise ValueError(f"input {sha[:12]} arrived damaged")
-        inputs = private_dir(self.root / "inputs")   # copies of people's training data
-        for sha, blob in payload["blobs"].items():
-            _write_input(inputs / sha, blob)
+        sweep = check_payload(payload)
+        keep_inputs(self.root / "inputs", payload["blobs"])
         with self.mu:
             sid = self.state.add_sweep(sweep["name"], sweep["path"], sweep["spec"],
                                        sweep["trials"])
@@ -216,19 +216,8 @@ class Controller:
                 raise KeyError(f"tune {tid!r} has no class measured on {node}")
             req, cls = t["request"], entry["node_class"]
             info = self.nodes.get(node)
-            row = dict(tune=tid, time=event["time"], model_name=req["model_name"],
-                       n_layers=req["n_layers"], method=req["method_key"], node_class=cls,
-                       node=node, chip=info.chip if info else cls.split("/")[0],
-                       budget_gb=entry["budget_gb"], lora_rank=req["lora"]["rank"],
-                       lora_layers=req["lora"]["num_layers"],
-                       lora_keys=measured.lora_keys_text(req["lora"].get("keys")),
-                       head_chunk=req["head_chunk"], attn_block=req["attn_block"],
-                       seq_len=event["seq_len"], segment_size=event["segment_size"],
-                       fits=event["fits"], peak_gb=event["peak_gb"],
-                       phases=[label for label, _ in event["phases"]],
-                       phase_peaks=[peak for _, peak in event["phases"]],
-                       step_s=event.get("step_s"), steps=event["steps"],
-                       message=event.get("message", ""))
+            row = probing.point_row(tid, req, cls, node, info.chip if info else cls.split("/")[0],
+                                    entry["budget_gb"], event)
             self.stores.put_probe(req["model_key"], row)
             self.state.count_probe(tid, cls, event["fits"])
             # plans made before this measurement are stale
@@ -268,32 +257,25 @@ class Controller:
         return new
 
     def judge(self, a, evals: list[dict]) -> None:
-        """Asynchronous successive halving (the ASHA paper; Ray Tune's AsyncHyperBand):
-        a trial's eval at a rung is recorded in state.db, and the trial stops when at
-        least `reduction` values are recorded at that rung (this one included) and it
-        is worse than the top 1/reduction of them. Nobody waits for a rung to fill:
-        the first trials there go on, later ones are judged against more values."""
-        spec = json.loads(self.state.sweep(a["sweep"])["spec"]).get("scheduler")
-        if not spec:
+        """Early stopping (asha.py) at attempt `a`'s evals: each value at a rung is
+        recorded in state.db with its decision, in one transaction; a stopped
+        trial's attempt is cancelled through its agent."""
+        scheduler = self.state.scheduler(a["sweep"])
+        if scheduler is None:
             return
-        rungs = SchedulerSpec.model_validate(spec).rungs()
+        rungs, tid = scheduler.rungs(), a["trial"]
         for e in evals:
-            if e["step"] not in rungs:
+            if e["step"] not in rungs:   # most evals: no rung, nothing to read
                 continue
-            tid, rung, value = a["trial"], e["step"], float(e["val_loss"])
-            values = self.state.rung_values(a["sweep"], rung)
-            if tid in values:
-                continue   # decided before (a batch delivered twice, a head restart)
-            values[tid] = value
-            cutoff = asha_cutoff(list(values.values()), spec["reduction"])
-            stop = None
-            if (self.state.trial(tid)["state"] not in TERMINAL and len(values) >= spec["reduction"]
-                    and value > cutoff):
-                stop = (f"asha: {spec['metric']} {value:.4g} at rung {rungs.index(rung) + 1} "
-                        f"(step {rung}) below the top 1/{spec['reduction']} of {len(values)} "
-                        f"(cutoff {cutoff:.4g})")
-            if self.state.record_rung(a["sweep"], rung, tid, value, attempt=a["id"], stop=stop) \
-                    and stop:
+            value = float(e["val_loss"])
+            d = asha.judge(scheduler, tid, e["step"], value,
+                           self.state.rung_values(a["sweep"], e["step"]),
+                           finished=self.state.trial(tid)["state"] in TERMINAL)
+            if d is None:
+                continue
+            stop = d.reason if isinstance(d, asha.Stop) else None
+            if self.state.record_rung(a["sweep"], d.rung, tid, d.value, attempt=a["id"],
+                                      stop=stop) and stop:
                 self._cancel_attempts(tid)
                 self._maybe_done(a["sweep"])
                 return
@@ -367,8 +349,8 @@ class Controller:
             # stops after FILE_S (the rest next turn), so nodes that free up meanwhile
             # wait for one turn's filing at most, however many attempts end together.
             self.place()
-            filed, t0 = 0, time.monotonic()
-            while self.to_file and (not filed or time.monotonic() - t0 < FILE_S):
+            filed, t0 = 0, self.clock()
+            while self.to_file and (not filed or self.clock() - t0 < FILE_S):
                 aid, result, node = self.to_file.popleft()
                 if isinstance(result, AttemptResult):
                     self.unfiled_bytes -= _adapter_bytes(result)
@@ -438,10 +420,8 @@ class Controller:
 
     # ------------------------------------------------------------ placement
     def takes_work(self, n: NodeInfo) -> bool:
-        """Whether node `n` can start one more attempt: its agent is up, it runs
-        fewer than its max_trials, and memory is left (a tune holds it whole)."""
-        held = self.held.get(n.name, {})
-        return n.name in self.agents and len(held) < n.max_trials and self.spare(n) > 0
+        """Whether node `n` can start one more attempt (placement.takes_work)."""
+        return placement.takes_work(n, self.held, n.name in self.agents)
 
     def flush_s(self) -> float:
         """How often an attempt's agent forwards its telemetry: TELEMETRY_FLUSH_S, or
@@ -455,12 +435,13 @@ class Controller:
 
     def spare(self, n: NodeInfo) -> float:
         """GB of node `n`'s budget no running attempt holds."""
-        return n.memory_gb - sum(self.held.get(n.name, {}).values())
+        return placement.spare(n, self.held)
 
     def place(self) -> None:
         """Free nodes to pending trials: a tune's probes first, then trial by trial in
-        the order of scheduler.next_sweep (priority, then fair share among equals, then
-        each sweep's own order). Every pending trial left has its reason in state.db."""
+        the order of fairshare.next_sweep (priority, then fair share among equals, then
+        each sweep's own order), each where placement.place_trial says. Every pending
+        trial left has its reason in state.db."""
         free = [n for n in self.nodes.values() if self.takes_work(n)]
         free = self._place_probes(free)
         # What each sweep runs is what it has in flight: an attempt that ended this turn
@@ -474,8 +455,8 @@ class Controller:
             except Exception as e:
                 self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: reading it from state.db", e))
                 continue
-            sweeps[s["id"]] = (s, spec)
-            turn.append(scheduler.Contender(
+            sweeps[s["id"]] = spec
+            turn.append(fairshare.Contender(
                 sweep=s["id"], priority=spec["priority"], share=spec["share"],
                 created=created, cap=spec["concurrency"],
                 pending=self.state.count_trials(s["id"], [TrialState.PENDING]),
@@ -486,22 +467,24 @@ class Controller:
         # job, its model) only for a trial it tries. Why each of the others waits is
         # written every turn up to WAITING_WHOLE_UPTO pending trials; past that, once
         # a second, or at once when the sweeps or nodes change.
-        now = time.monotonic()
+        now = self.clock()
         shape = (frozenset(sweeps), frozenset(self.nodes))
-        whole = (sum(c.pending for c in turn) <= WAITING_WHOLE_UPTO or shape != self.waiting_noted[1]
-                 or now - self.waiting_noted[0] >= WAITING_EVERY_S)
+        whole = placement.every_reason_due(sum(c.pending for c in turn), shape,
+                                           self.waiting_noted, now, upto=WAITING_WHOLE_UPTO,
+                                           every_s=WAITING_EVERY_S)
         pending = {sid: _PendingIds(self.state, sid, whole) for sid in sweeps}
         why: dict[str, str] = {}   # trial -> why it waits, for those tried and not placed
         tried: dict[str, str] = {}   # trial -> its sweep
         eligible: dict = {}   # the nodes a placement may use, found once a turn
-        while free and (c := scheduler.next_sweep(turn)) is not None:
-            (s, spec), tid = sweeps[c.sweep], pending[c.sweep][c.tried]
+        while free and (c := fairshare.next_sweep(turn)) is not None:
+            tid = pending[c.sweep][c.tried]
             c.tried += 1
             tried[tid] = c.sweep
             try:
-                why[tid] = self._place_trial(s, spec, self.state.trial(tid), free, eligible)
+                why[tid] = self._place_trial(sweeps[c.sweep], self.state.trial_record(tid), free,
+                                             eligible)
             except Exception as e:   # this sweep cannot be planned: it fails, the others go on
-                self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: placing it", e))
+                self.fail_sweep(c.sweep, self.fault(f"sweep {c.sweep}: placing it", e))
                 turn.remove(c)
                 continue
             if why[tid] is None:
@@ -512,27 +495,16 @@ class Controller:
         if not whole:   # only the trials this turn tried
             self._note_waiting({t: (tried[t], r) for t, r in why.items() if r}, looked_at=tried)
             return
-        nodes = len(self.nodes)
-        slots = self.slots()
-        waiting = {}
-        for c in turn:
-            left = scheduler.why_waiting(c, turn, nodes=nodes, slots=slots)
-            for tid in pending[c.sweep].all():
-                reason = why.get(tid, left)
-                if reason:   # None: placed now; '': failed now
-                    waiting[tid] = (c.sweep, reason)
-        self._note_waiting(waiting)
+        self._note_waiting(placement.waiting_reasons(
+            turn, {c.sweep: pending[c.sweep].all() for c in turn}, why, nodes=len(self.nodes),
+            slots=self.slots()))
         self.waiting_noted = (now, shape)
 
     def _note_waiting(self, waiting: dict[str, tuple[str, str]],
                       looked_at=None) -> None:
         """Write to state.db the reasons that changed since the last placement (most
-        trials wait for the same reason turn after turn). `looked_at`: the trials
-        `waiting` speaks for (default: every pending trial); a trial among them and
-        not in `waiting` no longer waits."""
-        changed = {t: v for t, v in waiting.items() if self.waiting.get(t) != v[1]}
-        scope = self.waiting if looked_at is None else looked_at
-        gone = [t for t in scope if t not in waiting and t in self.waiting]
+        trials wait for the same reason turn after turn); see placement.waiting_changes."""
+        changed, gone = placement.waiting_changes(self.waiting, waiting, looked_at)
         if changed or gone:
             self.state.note_waiting(changed, gone)
             if looked_at is None:
@@ -542,109 +514,29 @@ class Controller:
                     del self.waiting[t]
                 self.waiting.update({t: v[1] for t, v in changed.items()})
 
-    def _eligible(self, placement: dict, excluded: set, cache: dict) -> tuple[set, dict]:
-        """(names, {(class, memory_gb): one such node}) of the nodes a trial with this
-        placement and these excluded nodes may use; `cache` keeps them for the turn:
-        most trials share both, and a fleet has hundreds of nodes of a few classes."""
-        key = (json.dumps(placement, sort_keys=True), frozenset(excluded))
-        if key not in cache:
-            names, classes = set(), {}
-            for n in self.nodes.values():
-                if n.matches(placement) and n.name not in excluded:
-                    names.add(n.name)
-                    classes.setdefault(_plan_class(n), n)
-            cache[key] = names, classes
-        return cache[key]
-
-    def _place_trial(self, s, spec: dict, t, free: list[NodeInfo], eligible: dict) -> str | None:
-        """Place trial `t` of sweep `s` on the best of `free` where it fits now (taking
-        the node out of `free` once it is full). None when it went; else why it waits
-        ('' when it failed instead: no node it may use can ever hold it). `eligible`:
-        the turn's cache for `_eligible`."""
-        placement = spec.get("placement") or {}
+    def _place_trial(self, spec: dict, t: Trial, free: list[NodeInfo],
+                     eligible: dict) -> str | None:
+        """Apply placement.place_trial for trial `t` of a sweep (`spec`: its
+        sweep_record): start it on the node chosen (taking the node out of `free`
+        once it is full), fail it, or return why it waits. None when it went; ''
+        when it failed. `eligible`: the turn's cache for placement.eligible."""
         knobs = spec.get("planner") or {}
         margin = knobs.get("margin", DEFAULT_MARGIN)
-        excluded = set(json.loads(t["excluded"]))
-        names, classes = self._eligible(placement, excluded, eligible)
-        if not names:
-            if excluded and self.nodes:
-                why = (f"out of memory at segment_size 1 on {sorted(excluded)} "
-                       "and no other node matches")
-                self.state.move(t["id"], TrialState.FAILED, why, message=why)
-                self._maybe_done(s["id"])
-                return ""
-            return "no node alive" + (f" matches its placement {placement}" if self.nodes else "")
-        # Whether it fits a node at all is judged on the whole node (a plan depends
-        # on the node only through its class) ...
-        by_class = {k: self._plan(t, n, knobs) for k, n in classes.items()}
-        if not any(p.fits for p in by_class.values()):
-            worst = "; ".join(f"{n}: {by_class[_plan_class(self.nodes[n])].reason}"
-                              for n in sorted(names))
-            why = f"does not fit any node ({worst})"
-            self.state.move(t["id"], TrialState.FAILED, why, message=why)
-            self._maybe_done(s["id"])
+        d = placement.place_trial(
+            t, self.state.last_attempt_record(t.id), placement=spec.get("placement") or {},
+            margin=margin, nodes=self.nodes, free=free, held=self.held, cache=eligible,
+            plan=lambda n, budget_gb: (self._plan(t, n, knobs) if budget_gb is None else
+                                       self._plan_now(t, n, knobs, budget_gb=budget_gb)))
+        if isinstance(d, placement.Wait):
+            return d.reason
+        if isinstance(d, placement.Fail):
+            self.state.move(t.id, TrialState.FAILED, d.reason, message=d.reason)
+            self._maybe_done(t.sweep)
             return ""
-        # ... where it goes now, on what running attempts leave of each (a trial
-        # that ran out of memory sharing a node waits for one to itself).
-        solo = self._shared_oom(t)
-        fitting, short = [], []   # short: free nodes it may use, too small for it now
-        for n in free:
-            if n.name not in names:
-                continue
-            whole = by_class[_plan_class(n)]
-            if not whole.fits:
-                short.append(whole)
-            elif not (solo and self.held.get(n.name)):
-                spare = self.spare(n)
-                plan = whole if spare >= n.memory_gb else self._plan_now(
-                    t, n, knobs, budget_gb=spare)
-                if plan.fits:
-                    fitting.append((n, plan))
-                else:
-                    short.append(plan)
-        if not fitting:   # it fits somewhere busy: it waits for room there
-            if short:
-                need = min(p.predicted_gb for p in short) / (1 - margin)
-                return (f"no free node fits (needs {need:.3g} GB, largest free budget "
-                        f"{max(p.budget_gb for p in short):.3g} GB)")
-            if solo and any(n.name in names for n in free):
-                return "waiting for a node to itself (it ran out of memory sharing one)"
-            why = "waiting for a free node"   # the free ones are nodes it may not use
-            if placement:
-                why += f" matching its placement {placement}"
-            if excluded:
-                why += (f" other than {', '.join(sorted(excluded))} (out of memory at "
-                        "segment_size 1 there)")
-            return why
-        # the least loaded node first (spread, then stack), then the fastest plan; a
-        # trial whose last attempt broke on a node (lost, or its agent failed: a full
-        # disk) goes to another one where it can, or that node takes every retry
-        broke = self._broke_on(t)
-        node, plan = max(fitting, key=lambda np: (np[0].name != broke,
-                                                  -len(self.held.get(np[0].name, {})),
-                                                  np[1].segment_size, -np[0].memory_gb))
-        self.dispatch(t, node, plan, margin, solo)
-        if not self.takes_work(node):
-            free.remove(node)
+        self.dispatch(t, d)
+        if not self.takes_work(d.node):
+            free.remove(d.node)
         return None
-
-    def _broke_on(self, t) -> str | None:
-        """The node trial `t`'s last attempt ended on as lost or with its agent failing."""
-        a = self.state.last_attempt(t["id"])
-        return a["node"] if a and a["outcome"] in (Outcome.NODE_LOST, Outcome.AGENT_ERROR) else None
-
-    def _shared_oom(self, t) -> bool:
-        """Whether trial `t`'s last attempt ran out of memory under less than it would
-        have had alone on its node (sharing it): the prediction it was held to was low.
-        Alone means the node's memory, or the job's own `memory.budget_gb` where that
-        is smaller: a trial held to its own budget was not sharing."""
-        a = self.state.last_attempt(t["id"])
-        node = self.nodes.get(a["node"]) if a else None
-        if not (a and a["outcome"] == Outcome.OOM and node and a["budget_gb"] is not None):
-            return False
-        own = (json.loads(t["job"]).get("memory") or {}).get("budget_gb")
-        alone = min(node.memory_gb, own) if own else node.memory_gb
-        return a["budget_gb"] < alone - 1e-9
 
     def fail_sweep(self, sid: str, reason: str) -> None:
         """The sweep cannot go on: its trials that have not started fail with the
@@ -654,32 +546,21 @@ class Controller:
         self.state.set_sweep_state(sid, SweepState.FAILED, reason)
 
     def _place_probes(self, free: list[NodeInfo]) -> list[NodeInfo]:
-        """Each queued class of a tune gets a free node of its class; returns the
-        nodes left free. Probes go first: what they measure plans the trials."""
-        for c in self.state.queued_tune_classes():
-            tid, cls, req = c["tune"], c["node_class"], c["request"]
-            node = next((n for n in free if n.node_class == cls and not self.held.get(n.name)),
-                        None)
-            if node is None:
-                if not any(n.node_class == cls for n in self.nodes.values()):
-                    self.state.move_tune_class(tid, cls, TuneState.FAILED,
-                                               error=f"no node of class {cls} is up")
+        """Start the probes probing.assign gives a node, fail the classes it finds
+        no node for; returns the nodes left free. Probes go first: what they
+        measure plans the trials."""
+        queued = [probing.Queued(c["tune"], c["node_class"], c["request"], c["points"], c["done"])
+                  for c in self.state.queued_tune_classes()]
+        decisions, left = probing.assign(queued, free, self.nodes, self.held)
+        for d in decisions:
+            if isinstance(d, probing.NoNode):
+                self.state.move_tune_class(d.tune, d.node_class, TuneState.FAILED, error=d.error)
                 continue
-            # A probe walks its points in order, so after a head restart the points
-            # still to measure are those after the `done` already filed.
-            spec = ProbeSpec(model=req["model"], method=req["method"],
-                             prefix_shared=req["prefix_shared"], lora=req["lora"],
-                             head_chunk=req["head_chunk"], attn_block=req["attn_block"],
-                             # a tune filed by an older head has no mlp_chunk
-                             mlp_chunk=req.get("mlp_chunk", DEFAULT_MLP_CHUNK),
-                             budget_gb=node.memory_gb, points=c["points"][c["done"]:],
-                             steps=req["steps"], pack_rows=req.get("pack_rows", 1))
-            ref = self.agents[node.name].probe.remote(tid, spec)
-            self.probing[ref] = (tid, cls, node.name)
-            self.held[node.name] = {f"tune:{tid}": float("inf")}   # probes measure a whole node
-            self.state.move_tune_class(tid, cls, TuneState.RUNNING, node=node.name)
-            free = [n for n in free if n.name != node.name]
-        return free
+            ref = self.agents[d.node].probe.remote(d.tune, d.spec)
+            self.probing[ref] = (d.tune, d.node_class, d.node)
+            self.held[d.node] = {f"tune:{d.tune}": float("inf")}   # probes measure a whole node
+            self.state.move_tune_class(d.tune, d.node_class, TuneState.RUNNING, node=d.node)
+        return left
 
     def _probed(self, ref) -> None:
         tid, cls, node = self.probing.pop(ref)
@@ -693,26 +574,27 @@ class Controller:
         with self.mu:
             self.held.get(node, {}).pop(f"tune:{tid}", None)
             self.free_since[node] = self.clock()
-            error = result.get("error") or ""   # "cancelled": node/probes.py's word for a cancel
-            to = (TuneState.CANCELLED if error == TuneState.CANCELLED.value else
-                  TuneState.FAILED if error else TuneState.DONE)
-            self.state.move_tune_class(tid, cls, to, error=error)
+            error = result.get("error") or ""
+            self.state.move_tune_class(tid, cls, probing.ended(error), error=error)
 
-    def _plan(self, t, node: NodeInfo, knobs: dict):
+    def _plan(self, t: Trial, node: NodeInfo, knobs: dict):
         # a plan depends on the node only through its class (chip and budget): one per
         # class, not one per node, or a fleet of N alike nodes plans each trial N times
-        key = (t["id"], *_plan_class(node), t["max_segment"])
+        key = (t.id, *placement.plan_class(node), t.max_segment)
         if key not in self.plans:
             self.plans[key] = self._plan_now(t, node, knobs)
         return self.plans[key]
 
-    def _plan_now(self, t, node: NodeInfo, knobs: dict, budget_gb: float | None = None):
-        job = JobSpec.model_validate(json.loads(t["job"]))
-        info = planner.ModelInfo.from_dict(json.loads(t["model_info"]))
-        return planner.plan(info, job, seq_len=t["seq_len"],
+    def _plan_now(self, t: Trial, node: NodeInfo, knobs: dict, budget_gb: float | None = None):
+        """The planner's answer for trial `t` (a Trial, or its state.db row) on `node`."""
+        if not isinstance(t, Trial):
+            t = trial_of(t)
+        job = JobSpec.model_validate(t.job)
+        info = planner.ModelInfo.from_dict(t.model_info)
+        return planner.plan(info, job, seq_len=t.seq_len,
                             budget_gb=node.memory_gb if budget_gb is None else budget_gb,
                             margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", DEFAULT_SCALE),
-                            below=t["max_segment"],
+                            below=t.max_segment,
                             measured=self._measured(info, job, node.node_class))
 
     def _measured(self, info, job: JobSpec, node_class: str):
@@ -722,36 +604,28 @@ class Controller:
             self.fitted[key] = measured.models_of(measured.read_plan(self.root, key))
         return self.fitted[key].get(planner.tune_key(job, node_class))
 
-    def dispatch(self, t, node: NodeInfo, plan, margin: float = 0.0, solo: bool = False) -> None:
-        """Start an attempt of trial `t` on `node`. What the attempt needs from the
-        head is read first: a damaged or missing input fails the trial (running it
-        again cannot help). A failure once the attempt is recorded (the agent gone)
-        ends that attempt, not the turn.
-
-        A node alone to itself (max_trials 1), or a `solo` attempt, gets all of the
-        node; a node that shares lends each attempt what its plan predicts plus the
-        margin, at least its even share of the node (a low prediction of a small
-        trial costs nothing then), at most what is left; the attempt's guard holds
-        it to that."""
-        tid = t["id"]
+    def dispatch(self, t: Trial, d: placement.Place) -> None:
+        """Start the attempt placement decided (`d`: the node, the plan, what the
+        attempt is lent). What the attempt needs from the head is read first: a
+        damaged or missing input fails the trial (running it again cannot help). A
+        failure once the attempt is recorded (the agent gone) ends that attempt, not
+        the turn."""
+        tid, node, plan = t.id, d.node, d.plan
         try:
-            data = {name: _read_input(self.root / "inputs" / sha)
-                    for name, sha in json.loads(t["inputs"]).items()}
+            data = {name: read_input(self.root / "inputs" / sha)
+                    for name, sha in t.inputs.items()}
             ckpt = self.stores.latest_checkpoint(tid)
         except Exception as e:
             line = self.fault(f"trial {tid}: reading its inputs on the head", e)
             self.state.move(tid, TrialState.FAILED, line, message=line)
-            return self._maybe_done(t["sweep"])
-        hold = node.memory_gb if node.max_trials == 1 or solo else min(
-            self.spare(node), max(plan.predicted_gb / (1 - margin),
-                                  node.memory_gb / node.max_trials))
-        job = json.loads(t["job"])
+            return self._maybe_done(t.sweep)
+        job = copy.deepcopy(t.job)   # the record stays as state.db has it
         mem = job.setdefault("memory", {})
         mem["segment_size"] = plan.segment_size
         mem["offload"] = "disk" if plan.offload else "none"
-        mem["budget_gb"] = min(mem.get("budget_gb") or hold, hold)
+        mem["budget_gb"] = d.budget_gb
         # Runnable since: the trial was pending and this node was free (the later).
-        ready = max(t["runnable_since"], self.free_since.get(node.name, 0.0))
+        ready = max(t.runnable_since, self.free_since.get(node.name, 0.0))
         aid = self.state.add_attempt(tid, node=node.name, chip=node.chip,
                                      segment_size=plan.segment_size,
                                      predicted_gb=plan.predicted_gb, budget_gb=mem["budget_gb"],
@@ -762,7 +636,7 @@ class Controller:
                         f"{plan.segment_size}, predicted peak {plan.predicted_gb:.3f} GB "
                         f"({plan.source}), {how}",
                         attempt=aid)
-        spec = AttemptSpec(sweep=t["sweep"], trial=tid, attempt=aid, job=job, data=data,
+        spec = AttemptSpec(sweep=t.sweep, trial=tid, attempt=aid, job=job, data=data,
                            checkpoint_step=ckpt[0] if ckpt else None,
                            checkpoint=ckpt[1] if ckpt else {}, flush_s=self.flush_s())
         try:
@@ -771,7 +645,7 @@ class Controller:
             line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
             return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                                   message=line))
-        self.inflight[ended] = Flight(aid, node.name, t["sweep"], result)
+        self.inflight[ended] = Flight(aid, node.name, t.sweep, result)
         self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
 
     # ------------------------------------------------------------ outcomes
@@ -780,7 +654,8 @@ class Controller:
         first (so no restart runs it twice), then its telemetry is sealed into the
         stores; a seal that fails leaves the attempt unsealed for `reseal` (on
         `segctl resume` and on the head's restart) and does not hold the trial. A
-        success whose adapter cannot be stored is not a success: the trial runs again."""
+        success whose adapter cannot be stored is not a success: the trial runs again.
+        What the trial does next is outcomes.after's decision."""
         a = self.state.attempt(aid)
         tid, sid = a["trial"], a["sweep"]
         peak = max(a["peak_gb"] or 0.0, r.peak_gb or 0.0) or None
@@ -790,14 +665,13 @@ class Controller:
                                   step=r.steps or a["step"])
         self.guarded(f"attempt {aid}: its trackers", self.trackers.ended, aid, r.outcome.value)
         self.guarded(f"attempt {aid}: sealing its telemetry (kept for resume)", self._seal, aid)
-        t = self.state.trial(tid)
-        if t["state"] == TrialState.STOPPED and r.adapter:   # it finished before the stop landed
+        t = self.state.trial_record(tid)
+        if t.state == TrialState.STOPPED and r.adapter:   # it finished before the stop landed
             self.guarded(f"attempt {aid}: storing the adapter of a stopped trial",
                          lambda: self.stores.put_adapter(sid, tid, aid, r.adapter,
                                                          step=r.steps or None, val_loss=r.val_loss))
-        if t["state"] in TERMINAL:
+        if t.state in TERMINAL:
             return self._maybe_done(sid)
-        seg, node = a["segment_size"], a["node"]
         if r.outcome == Outcome.SUCCEEDED:
             try:
                 if r.best_adapter:   # first: the last adapter in place means both are
@@ -810,54 +684,32 @@ class Controller:
                 r = AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                   message=f"the head could not store the adapter ({line}); run again")
                 self.state.update_attempt(aid, outcome=r.outcome.value, message=r.message)
-        to = OUTCOME_MOVES[r.outcome]
-        if to == TrialState.SUCCEEDED:
-            self.state.move(tid, TrialState.SUCCEEDED, f"finished on {node}: final loss "
-                            f"{_fmt(r.final_loss)}, val loss {_fmt(r.val_loss)}", attempt=aid,
-                            final_loss=r.final_loss, val_loss=r.val_loss, message="")
-        elif to == TrialState.OOM:
-            self.state.move(tid, TrialState.OOM, f"{node}: {r.message}", attempt=aid)
-            if not self._retry_left(tid, sid, aid):
-                pass
-            elif seg > 1:
-                self.state.move(tid, TrialState.PENDING,
-                                f"re-plan below segment_size {seg} after out of memory on {node}",
-                                attempt=aid, max_segment=min(seg, t["max_segment"] or seg))
-            elif self._shared_oom(t):
-                self.state.move(tid, TrialState.PENDING,
-                                f"out of memory sharing {node} ({a['budget_gb']:.3f} GB lent): "
-                                "next on a node to itself", attempt=aid)
-            else:
-                excluded = sorted(set(json.loads(t["excluded"])) | {node})
-                self.state.move(tid, TrialState.PENDING,
-                                f"out of memory at segment_size 1 on {node}: try a larger node",
-                                attempt=aid, excluded=json.dumps(excluded))
-        elif to == TrialState.NODE_LOST:
-            self.state.move(tid, TrialState.NODE_LOST, r.message, attempt=aid)
-            if r.outcome == Outcome.INTERRUPTED or self._retry_left(tid, sid, aid):
+        retries: int | str = 0
+        used = 0
+        if outcomes.charged(r.outcome):
+            try:
+                retries = sweep_record(self.state.sweep(sid))["retries"]
+            except ValueError as e:   # its row in state.db is unusable: no retry can be counted
+                retries = str(e)
+            used = self.state.charged_attempts(tid)
+        last = self.state.last_attempt_record(tid)
+        for d in outcomes.after(r, attempt_of(a), t, last=last,
+                                node=self.nodes.get(last.node) if last else None,
+                                retries=retries, used=used):
+            if isinstance(d, outcomes.Ended):
+                self.state.move(tid, d.to, d.reason, attempt=aid, **d.fields)
+            elif isinstance(d, outcomes.Fail):
+                self.state.move(tid, TrialState.FAILED, d.reason, attempt=aid, message=d.message)
+            elif isinstance(d, outcomes.Replan):
+                bounds = {} if d.max_segment is None else {"max_segment": d.max_segment}
+                if d.excluded is not None:
+                    bounds["excluded"] = json.dumps(list(d.excluded))
+                self.state.move(tid, TrialState.PENDING, d.reason, attempt=aid, **bounds)
+            else:   # Retry: from its last checkpoint
                 ckpt = self.stores.latest_checkpoint(tid)
                 self.state.move(tid, TrialState.PENDING, "resume from checkpoint step "
                                 f"{ckpt[0]}" if ckpt else "restart: no checkpoint yet", attempt=aid)
-        elif to == TrialState.CANCELLED:
-            self.state.move(tid, TrialState.CANCELLED, "cancelled", attempt=aid)
-        else:
-            self.state.move(tid, TrialState.FAILED, r.message or "failed", attempt=aid,
-                            message=r.message)
         self._maybe_done(sid)
-
-    def _retry_left(self, tid: str, sid: str, aid: int) -> bool:
-        try:
-            retries = sweep_record(self.state.sweep(sid))["retries"]
-        except ValueError as e:   # its row in state.db is unusable: no retry can be counted
-            why = f"sweep {sid}: reading it from state.db: {e}"
-            self.state.move(tid, TrialState.FAILED, why, attempt=aid, message=why)
-            return False
-        used = self.state.charged_attempts(tid)
-        if used > retries:
-            self.state.move(tid, TrialState.FAILED, f"retries spent ({used} attempts, "
-                            f"retries: {retries})", attempt=aid, message="retries spent")
-            return False
-        return True
 
     def _maybe_done(self, sid: str) -> None:
         state = self.state.sweep(sid)["state"]
@@ -901,114 +753,6 @@ class Controller:
         self.state.requeue_tunes()
 
 
-def _check_payload(payload) -> dict:
-    """What the CLI validated, checked again where it lands, by the same schema code
-    (schemas/sweep.py's check_expanded: every key of the sweep, every trial's job,
-    the scheduler against the trials; the planner's knobs as cluster.yaml's): a caller
-    holding the token but not using the CLI must not get into state.db a value a
-    placement turn cannot compare or plan with. Returns the sweep and its trials as
-    the head records them, every value as its schema reads it. Raises ValueError
-    with one line."""
-    import re
-
-    from segctl.schemas.cluster import PlannerSpec
-    from segctl.schemas.limits import (MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN,
-                                       one_line, path_problem)
-    from segctl.schemas.sweep import check_expanded
-    if not isinstance(payload, dict):
-        raise ValueError(f"a submission is a mapping, not {type(payload).__name__}")
-    name, path, spec = payload.get("name"), payload.get("path"), payload.get("spec")
-    if not isinstance(name, str) or len(name) > MAX_SWEEP_NAME_CHARS or not re.fullmatch(
-            NAME_PATTERN, name):
-        raise ValueError(f"sweep name {str(name)[:80]!r} is not a plain name of at most "
-                         f"{MAX_SWEEP_NAME_CHARS} characters")
-    if not isinstance(path, str) or path_problem(path):
-        raise ValueError(f"path: {path_problem(path) if isinstance(path, str) else 'expected a string'}")
-    if not isinstance(spec, dict):
-        raise ValueError(f"spec: expected a mapping, got {type(spec).__name__}")
-    try:
-        knobs = PlannerSpec.model_validate(spec.get("planner") or {})
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise ValueError(one_line(f"planner.{'.'.join(map(str, err['loc']))}: "
-                                  f"{err['msg']}")) from None
-    # the sweep is recorded under the name checked above, whatever its spec says
-    sweep_keys = {k: v for k, v in spec.items() if k != "planner"} | {"name": name}
-    trials = payload.get("trials")
-    sweep = check_expanded(sweep_keys, trials)
-    blobs = payload.get("blobs")
-    if not isinstance(blobs, dict) or not all(isinstance(b, bytes) for b in blobs.values()):
-        raise ValueError("blobs: expected a mapping of sha256 -> bytes")
-    out, seen = [], set()
-    for raw, t in zip(trials, sweep.trials):
-        try:
-            if not re.fullmatch(NAME_PATTERN, t.name) or len(f"{name}-{t.name}") > MAX_NAME_CHARS:
-                raise ValueError(f"trial name {t.name[:80]!r} is not a plain name")
-            if t.name in seen:
-                raise ValueError("a second trial of this name")
-            seen.add(t.name)
-            try:
-                info = planner.ModelInfo.from_dict(raw.get("model_info"))
-            except Exception as e:
-                raise ValueError(f"model_info: {e}") from None
-            seq_len = raw.get("seq_len")
-            if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-                raise ValueError(f"seq_len: expected a whole number >= 1, got {str(seq_len)[:80]!r}")
-            inputs = raw.get("inputs")
-            if not isinstance(inputs, dict) or "train.jsonl" not in inputs or \
-                    set(inputs) - {"train.jsonl", "valid.jsonl"} or \
-                    any(sha not in blobs for sha in inputs.values()):
-                raise ValueError("inputs: expected {train.jsonl: sha256[, valid.jsonl: sha256]} "
-                                 "of files among the blobs sent")
-            try:
-                json.dumps(t.params, allow_nan=False)   # kept in state.db as JSON
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"params: not plain JSON ({e})") from None
-        except Exception as e:
-            why = one_line(str(e)) if isinstance(e, ValueError) else _one_line(e)
-            raise ValueError(f"trial {t.name[:80]!r}: {why}") from None
-        out.append(dict(index=t.index, name=t.name, params=t.params,
-                        job=t.job.model_dump(mode="json"), model_info=info.to_dict(),
-                        seq_len=seq_len, inputs=dict(inputs)))
-    recorded = sweep.spec.model_dump(mode="json")
-    if "owner" not in spec:   # the head's own user would be no one's answer to "who"
-        recorded.pop("owner")
-    recorded["planner"] = knobs.model_dump()
-    return dict(name=name, path=path, spec=recorded, trials=out)
-
-
-def sweep_record(row) -> dict:
-    """A sweep's row of state.db as the placement turn uses it: its spec with the
-    row's own columns (priority, concurrency, retries, placement: what the head
-    schedules by) held to SweepSpec, the planner's knobs to PlannerSpec, every value
-    typed. A row an older or hostile writer left wrong is a ValueError naming the
-    key, one line."""
-    from segctl.schemas.cluster import PlannerSpec
-    from segctl.schemas.limits import one_line
-    try:
-        spec = json.loads(row["spec"])
-        if not isinstance(spec, dict):
-            raise ValueError(f"expected a mapping, got {type(spec).__name__}")
-        placement = json.loads(row["placement"])
-    except (ValueError, TypeError) as e:
-        raise ValueError(one_line(f"spec or placement: not a JSON mapping ({e})")) from None
-    given = {k: v for k, v in spec.items() if k != "planner"}
-    given.update(priority=row["priority"], concurrency=row["concurrency"], retries=row["retries"],
-                 placement=placement)
-    try:
-        sweep = SweepSpec.model_validate(given)
-        knobs = PlannerSpec.model_validate(spec.get("planner") or {})
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise ValueError(one_line(f"{'.'.join(map(str, err['loc']))}: {err['msg']}")) from None
-    return dict(sweep.model_dump(mode="json"), planner=knobs.model_dump())
-
-
-def _plan_class(n: NodeInfo) -> tuple[str, float]:
-    """What a node's plans depend on: its class (chip) and its memory budget."""
-    return n.node_class, n.memory_gb
-
-
 def _adapter_bytes(r: AttemptResult) -> int:
     return sum(len(b) for files in (r.adapter, r.best_adapter) for b in files.values())
 
@@ -1018,46 +762,7 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     text carries the whole remote traceback)."""
     if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
         e = e.cause
-    text = " ".join(f"{type(e).__name__}: {e}".split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def asha_cutoff(values: list[float], reduction: int) -> float:
-    """The value at the top 1/reduction of `values`, lower being better: their
-    1/reduction quantile, interpolated linearly (numpy's default percentile)."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) / reduction
-    lo = int(pos)
-    return xs[lo] if lo + 1 >= len(xs) else xs[lo] + (pos - lo) * (xs[lo + 1] - xs[lo])
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
-def _write_input(path: Path, blob: bytes) -> None:
-    """Keep a data file under its sha256 (its name). A copy already there is trusted
-    only if its bytes still hash to its name; otherwise it is replaced atomically
-    (two submits of the same file at once each write aside under a name of their own)."""
-    if path.exists() and _sha256(path) == path.name:
-        return
-    write_atomic(path, blob, mode=0o600)
-
-
-def _read_input(path: Path) -> bytes:
-    """A data file kept under its sha256, checked: the head never ships rotten bytes."""
-    blob = path.read_bytes()
-    if hashlib.sha256(blob).hexdigest() != path.name:
-        raise ValueError(f"{path}: the head's copy of this data file is damaged; submit again")
-    return blob
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return error_line(e, limit)
 
 
 def head_log(root: Path) -> logging.Logger:
@@ -1072,89 +777,6 @@ def head_log(root: Path) -> logging.Logger:
         log.setLevel(logging.INFO)
         log.propagate = False
     return log
-
-
-# ------------------------------------------------------------------ the actor
-
-class Head:
-    """Controller as a Ray actor: requests arrive on Ray's threads, the loop runs on
-    its own."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.c = self.controller(Path(root))
-        self.stop = threading.Event()
-        threading.Thread(target=self.c.run_forever, args=(self.stop,), daemon=True,
-                         name="controller").start()
-
-    def controller(self, root: Path) -> Controller:
-        """The controller over the fleet: Ray's node table, an agent actor per node.
-        The one seam of the actor: a simulated fleet (bench/simfleet.py) hands in
-        its own nodes and agents here and runs everything else as it is."""
-        from segctl.node.agent import spawn
-        from segctl.orchestrator.fleet import nodes
-        me = ray.get_runtime_context().current_actor
-        return Controller(root, list_nodes=nodes, spawn_agent=lambda n: spawn(n, me))
-
-    def ping(self) -> dict:
-        return {"root": self.root, "pid": os.getpid(), "nodes": sorted(self.c.nodes),
-                "busy": {n: sorted(map(str, h)) for n, h in self.c.held.items() if h}}
-
-    def submit(self, payload: dict) -> str:
-        return self.c.submit(payload)
-
-    def cancel(self, target: str) -> list[str]:
-        return self.c.cancel(target)
-
-    def resume(self, sid: str) -> dict:
-        return self.c.resume(sid)
-
-    def started(self, aid: int, pid: int, t: float) -> None:
-        self.c.started(aid, pid, t)
-
-    def ingest(self, aid: int, events: list[dict]) -> int:
-        return self.c.ingest(aid, events)
-
-    def checkpoint(self, aid: int, step: int, files: dict) -> None:
-        self.c.checkpoint(aid, step, files)
-
-    def tune(self, request: dict) -> str:
-        return self.c.tune(request)
-
-    def tune_status(self, tid: str) -> dict:
-        return self.c.tune_status(tid)
-
-    def cancel_tune(self, tid: str) -> None:
-        self.c.cancel_tune(tid)
-
-    def record_probe(self, tid: str, node: str, event: dict) -> None:
-        self.c.record_probe(tid, node, event)
-
-    def model_manifest(self, path: str) -> list:
-        return models.manifest(self.c.model_folder(path))
-
-    def model_chunk(self, path: str, name: str, offset: int, n: int) -> bytes:
-        return models.read_chunk(self.c.model_folder(path), name, offset, n)
-
-
-def get_head(root: Path, *, create: bool = True):
-    """The running head actor for this stores root (created if asked and absent)."""
-    try:
-        head = ray.get_actor(HEAD_NAME, namespace=NAMESPACE)
-    except ValueError:
-        if not create:
-            raise ConnectionError("no segctl head is running on this cluster") from None
-        if (Path(root) / "state.db").exists():   # a broken one is said here in one line,
-            read_state(Path(root) / "state.db").close()   # not by a head that dies starting
-        Stores(Path(root)).check()                   # and so is a broken staging.db
-        head = ray.remote(Head).options(
-            name=HEAD_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            num_cpus=0, max_concurrency=64, resources={"segctl_head": 0.001},
-        ).remote(str(root))
-    info = ray.get(head.ping.remote(), timeout=120)
-    if Path(info["root"]) != Path(root):
-        raise ConnectionError(f"this cluster's head keeps its stores in {info['root']}, not {root}")
-    return head
 
 
 class _PendingIds:

@@ -7,6 +7,9 @@ named method of State, so no other module knows the tables' columns. Every state
 change goes through a method that checks it against the state machines in
 schemas/records.py: `move` for a trial (writing its events row in the same
 transaction), `update_attempt` for an attempt, `move_tune_class` for a tune.
+What the head's policies read comes typed, its JSON decoded here once:
+`sweep_record`, `trial_record` / `trial_of`, `last_attempt_record` / `attempt_of`
+(the records of snapshot.py); the other readers still return sqlite3.Row.
 
 Versions: `PRAGMA user_version` says how many of MIGRATIONS the file has. Opening
 it for writing runs the missing ones in order, in one transaction, then sets the
@@ -24,9 +27,16 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from pydantic import ValidationError
+
 from segctl.node.raynode import private_dir, private_file
+from segctl.schemas.cluster import PlannerSpec
+from segctl.schemas.limits import one_line
 from segctl.schemas.states import (ATTEMPT_MOVES, MOVES, TERMINAL, TUNE_MOVES, TUNE_TERMINAL,
                              AttemptStatus, Outcome, SweepState, TrialState, TuneState)
+from segctl.schemas.sweep import SchedulerSpec, SweepSpec
+
+from .snapshot import Attempt, Trial
 
 # Version 1: the schema before versions existed, as it was (tests/fixtures/state_v1.sql).
 V1 = """
@@ -326,6 +336,11 @@ class State:
     def sweep(self, sid: str) -> Optional[sqlite3.Row]:
         return self.one(f"SELECT {SWEEP} FROM sweeps WHERE id = ?", (sid,))
 
+    def scheduler(self, sid: str) -> Optional[SchedulerSpec]:
+        """Sweep `sid`'s early stopping (its `scheduler:`), typed; None without one."""
+        spec = json.loads(self.sweep(sid)["spec"]).get("scheduler")
+        return SchedulerSpec.model_validate(spec) if spec else None
+
     def sweeps(self) -> list[sqlite3.Row]:
         """Every sweep, the oldest first."""
         return self.q(f"SELECT {SWEEP} FROM sweeps ORDER BY created")
@@ -357,6 +372,11 @@ class State:
 
     def trial(self, tid: str) -> Optional[sqlite3.Row]:
         return self.one(f"SELECT {TRIAL} FROM trials WHERE id = ?", (tid,))
+
+    def trial_record(self, tid: str) -> Optional[Trial]:
+        """Trial `tid` typed, its JSON decoded (ValueError on a row left wrong)."""
+        row = self.trial(tid)
+        return None if row is None else trial_of(row)
 
     def trials(self, sid: str, state: TrialState | None = None) -> list[sqlite3.Row]:
         """A sweep's trials (those in `state` when given) in their sweep's order."""
@@ -436,6 +456,10 @@ class State:
     def last_attempt(self, tid: str) -> Optional[sqlite3.Row]:
         return self.one(f"SELECT {ATTEMPT} FROM attempts WHERE trial = ? ORDER BY id DESC LIMIT 1",
                         (tid,))
+
+    def last_attempt_record(self, tid: str) -> Optional[Attempt]:
+        row = self.last_attempt(tid)
+        return None if row is None else attempt_of(row)
 
     def open_attempts(self, tid: str | None = None) -> list[sqlite3.Row]:
         """Attempts not yet ended (of trial `tid`, or all)."""
@@ -667,6 +691,52 @@ class _Tx:
             self.state.con.execute("COMMIT" if typ is None else "ROLLBACK")
         finally:
             self.state.lock.release()
+
+
+# ------------------------------------------------------------------ typed records
+
+def sweep_record(row) -> dict:
+    """A sweep's row of state.db as the placement turn uses it: its spec with the
+    row's own columns (priority, concurrency, retries, placement: what the head
+    schedules by) held to SweepSpec, the planner's knobs to PlannerSpec, every value
+    typed. A row an older or hostile writer left wrong is a ValueError naming the
+    key, one line."""
+    try:
+        spec = json.loads(row["spec"])
+        if not isinstance(spec, dict):
+            raise ValueError(f"expected a mapping, got {type(spec).__name__}")
+        placement = json.loads(row["placement"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(one_line(f"spec or placement: not a JSON mapping ({e})")) from None
+    given = {k: v for k, v in spec.items() if k != "planner"}
+    given.update(priority=row["priority"], concurrency=row["concurrency"], retries=row["retries"],
+                 placement=placement)
+    try:
+        sweep = SweepSpec.model_validate(given)
+        knobs = PlannerSpec.model_validate(spec.get("planner") or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(one_line(f"{'.'.join(map(str, err['loc']))}: {err['msg']}")) from None
+    return dict(sweep.model_dump(mode="json"), planner=knobs.model_dump())
+
+
+def trial_of(row) -> Trial:
+    """A trials row (every column, or a mapping of them) as the policies read it."""
+    return Trial(id=row["id"], sweep=row["sweep"], state=TrialState(row["state"]),
+                 job=json.loads(row["job"]), model_info=json.loads(row["model_info"]),
+                 seq_len=row["seq_len"], inputs=json.loads(row["inputs"]),
+                 max_segment=row["max_segment"], excluded=tuple(json.loads(row["excluded"])),
+                 runnable_since=row["runnable_since"])
+
+
+def attempt_of(row) -> Attempt:
+    """An attempts row as the policies read it (an outcome this segctl does not
+    know stays text: it matches none of the Outcome values)."""
+    outcome = row["outcome"]
+    if outcome is not None and outcome in Outcome._value2member_map_:
+        outcome = Outcome(outcome)
+    return Attempt(id=row["id"], trial=row["trial"], sweep=row["sweep"], node=row["node"],
+                   segment_size=row["segment_size"], budget_gb=row["budget_gb"], outcome=outcome)
 
 
 # ------------------------------------------------------------------ read side

@@ -1,11 +1,12 @@
-"""What the CLI shows people: tables of trials and nodes, log lines. Programs get
-`--json` instead; nothing here is parsed back."""
+"""What the CLI shows people: tables of trials, nodes and ports, log lines, the
+one-line summaries commands end with. Programs get `--json` instead; nothing here
+is parsed back. Every function takes plain records (dicts, the schemas' types)
+and returns text or a rich renderable; the commands (orchestrator/cli/) print."""
 
 from __future__ import annotations
 
-import time
-
 import sys
+import time
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -171,6 +172,33 @@ def watch_view(sweeps: list[dict]) -> Group:
     return Group(*parts)
 
 
+def sweep_end_line(sid: str, sw: dict, root) -> str:
+    """How a followed sweep ended (`submit`, `resume`): trials succeeded, stopped by
+    its asha scheduler, and where the stores are."""
+    stopped = sum(t["state"] == TrialState.STOPPED for t in sw["trials"])
+    succeeded = sum(t["state"] == TrialState.SUCCEEDED for t in sw["trials"])
+    return (f"sweep {sid} {sw['state'].lower()}: {succeeded} of {len(sw['trials'])} trials "
+            f"succeeded" + (f", {stopped} stopped early (asha)" if stopped else "")
+            + f"; stores in {root}")
+
+
+def resolved_line(memory, plan, offload: str, budget_gb: float) -> str:
+    """What `segctl train` made of a job's `auto` memory settings (`memory`, as
+    written) on this machine: the planner's `plan` under `budget_gb`."""
+    return (f"segment_size {memory.segment_size} -> {plan.segment_size}, offload "
+            f"{memory.offload} -> {offload} (predicted peak {plan.predicted_gb:.2f} GB "
+            f"of {budget_gb:g} GB, {plan.source})")
+
+
+def fleet_up_line(info: dict, stores) -> str:
+    """`segctl cluster up`: the head's address, the nodes up, the stores."""
+    names = list(info.get("nodes") or {})
+    if (info.get("head") or {}).get("node"):
+        names.insert(0, f"{info['head']['node']} (on the head)")
+    return (f"fleet up: head {info.get('address')}; nodes: {', '.join(names) or 'none'}; "
+            f"stores {stores}")
+
+
 def nodes_table(nodes: list[dict]) -> Table:
     table = Table(title="fleet", title_justify="left")
     for col in ("node", "chip", "memory GB", "os", "state", "trial", "labels"):
@@ -180,6 +208,36 @@ def nodes_table(nodes: list[dict]) -> Table:
         table.add_row(n["name"], n["chip"], f"{n['memory_gb']:g}", n["os"], state,
                       n.get("trial") or "", " ".join(f"{k}={v}" for k, v in n["labels"].items()))
     return table
+
+
+def ports_table(nodes: list[dict]) -> Table:
+    """Per Ray node of `segctl cluster status`: the TCP ports its processes listen
+    on, grouped by process and the address each is bound to."""
+    table = Table(title="listening (TCP)", title_justify="left")
+    for col in ("node", "address", "process", "pid", "bound to", "ports"):
+        table.add_column(col)
+    for n in nodes:
+        if n.get("error"):
+            table.add_row(n["name"], n["address"] or "", f"[red]{n['error']}[/]", "", "", "")
+        by: dict = {}
+        for p in n["listening"]:
+            by.setdefault((p["process"], p["pid"], p["address"]), []).append(str(p["port"]))
+        for (proc, pid, bound), nums in sorted(by.items(), key=lambda kv: int(kv[1][0])):
+            table.add_row(n["name"], n["address"] or "", proc, str(pid),
+                          "every interface" if bound == "*" else bound, ", ".join(nums))
+    return table
+
+
+def lab_hosts(lab) -> list[dict]:
+    """`segctl lab up --json`: each host of the lab (segctl.lab.Lab) as a record."""
+    return [{"name": h.name, "address": h.address, "home": str(h.home), "sshd_pid": h.sshd_pid}
+            for h in lab.hosts]
+
+
+def lab_lines(lab) -> list[str]:
+    """`segctl lab up`: a line per host, then how to reach one."""
+    return ([f"{h.name}  {h.address}  home {h.home}  sshd pid {h.sshd_pid}" for h in lab.hosts]
+            + [f"ssh -F {lab.ssh_config} h1 CMD   (or PATH={lab.root / 'bin'}:$PATH ssh h1 CMD)"])
 
 
 def plan_table(rows: list[dict]) -> Table:
@@ -200,6 +258,14 @@ def plan_table(rows: list[dict]) -> Table:
         table.add_row(r["trial"], " ".join(f"{k}={v}" for k, v in r["params"].items()),
                       str(r["seq_len"]), *cells)
     return table
+
+
+def tune_start_line(req: dict, lengths: list[int], sizes: list[int], todo: int,
+                    reused: int) -> str:
+    """What `segctl tune` is about to measure (its request, `tune.request`'s)."""
+    return (f"tuning {req['model_name']} ({req['method_key']}) on {len(req['classes'])} node "
+            f"class(es): {len(lengths)} lengths x {len(sizes)} sizes; {todo} point(s) to "
+            f"measure, {reused} reused from the plan table")
 
 
 def tune_progress(status: dict) -> str:

@@ -4,7 +4,9 @@ The code lives in four packages, imported as `segctl.schemas` (the vocabulary),
 `segctl.engine` (one step, one training run; never imports Ray), `segctl.node`
 (a machine's agent and its engine processes) and `segctl.orchestrator` (the head,
 planner, stores and CLI); imports point one way: orchestrator -> node -> engine ->
-schemas. Installed, they sit inside this package (pyproject's package-dir maps
+schemas. A fifth, `segctl.lab` (hosts in network namespaces for trying a fleet on
+one Linux box), sits beside them: it imports node and schemas, and only the CLI
+imports it. Installed, they sit inside this package (pyproject's package-dir maps
 them there). In a checkout they are the folders beside this one, so `python -m
 segctl.orchestrator.cli` runs from the repository root without installing.
 """

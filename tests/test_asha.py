@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from segctl.orchestrator.head import Controller, asha_cutoff
+from segctl.orchestrator.asha import asha_cutoff
+from segctl.orchestrator.head import Controller
 from segctl.orchestrator.views import console, trials_table
 from segctl.schemas.errors import SpecError
 from segctl.schemas.records import AttemptResult, AttemptSpec

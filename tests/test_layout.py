@@ -3,7 +3,8 @@
 Every import of our packages goes through `segctl.` (a bare `import engine` would
 load a second copy of a module, with its own enums and classes); the wheel
 installs only `segctl/`; and orchestrator -> node -> engine -> schemas, with the
-engine never importing Ray."""
+engine never importing Ray. The lab rig (lab/) stands beside the orchestrator:
+it imports schemas and node, and only the CLI imports it."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ import pytest
 
 from tests.conftest import ROOT
 
-PACKAGES = ("schemas", "engine", "node", "orchestrator")   # lowest first
+PACKAGES = ("schemas", "engine", "node", "lab", "orchestrator")   # lowest first
 # what each package may import of ours
 ALLOWED = {"schemas": {"schemas"}, "engine": {"schemas", "engine"},
            "node": {"schemas", "engine", "node"},
+           "lab": {"schemas", "node", "lab"},   # never the orchestrator (nor its head)
            "orchestrator": {"schemas", "engine", "node", "orchestrator"}}
+# ... and a folder that may import more than its package: the CLI drives the lab
+ALLOWED_IN = {"orchestrator/cli": ALLOWED["orchestrator"] | {"lab"}}
 
 
 def _imports(path):
@@ -29,7 +33,10 @@ def _imports(path):
         if isinstance(n, ast.Import):
             yield from ((n.lineno, a.name) for a in n.names)
         elif isinstance(n, ast.ImportFrom) and n.level == 0:
-            yield n.lineno, n.module
+            if n.module == "segctl":   # `from segctl import lab`: the module is segctl.lab
+                yield from ((n.lineno, f"segctl.{a.name}") for a in n.names)
+            else:
+                yield n.lineno, n.module
 
 
 def _sources():
@@ -46,11 +53,12 @@ def test_our_packages_are_imported_only_as_segctl_subpackages():
 def test_imports_point_one_way_and_the_engine_never_imports_ray():
     wrong = []
     for pkg in PACKAGES:
-        for p in sorted((ROOT / pkg).glob("*.py")):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            allowed = ALLOWED_IN.get(p.parent.relative_to(ROOT).as_posix(), ALLOWED[pkg])
             for line, name in _imports(p):
                 parts = name.split(".")
                 ours = parts[1] if parts[0] == "segctl" and len(parts) > 1 else None
-                if ours and ours not in ALLOWED[pkg]:
+                if ours and ours not in allowed:
                     wrong.append(f"{p.relative_to(ROOT)}:{line}: {name}")
                 if pkg in ("schemas", "engine") and parts[0] == "ray":
                     wrong.append(f"{p.relative_to(ROOT)}:{line}: {name}")
@@ -71,6 +79,9 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     for pkg in PACKAGES:
         assert f"segctl/{pkg}/__init__.py" in names
     assert "segctl/engine/step.py" in names and "segctl/node/worker.py" in names
+    # a subpackage inside one of the folders, and the report page's script (package data)
+    assert {"segctl/orchestrator/cli/__init__.py", "segctl/orchestrator/cli/__main__.py",
+            "segctl/orchestrator/report.js"} <= set(names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "segctl = segctl.orchestrator.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from segctl.orchestrator import lab as lablib
+from segctl import lab as lablib
 
 HOSTS = 3
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from segctl.orchestrator import lab as lablib
+from segctl import lab as lablib
 from segctl.orchestrator import state as statelib
 from segctl.orchestrator.stores import _checkpoint_dirs
 from segctl.schemas import store_rows as sr

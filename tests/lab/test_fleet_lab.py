@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from segctl.orchestrator import lab as lablib
+from segctl import lab as lablib
 from tests.conftest import segctl
 
 from .conftest import commands, ssh, where_readable

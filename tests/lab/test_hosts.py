@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from segctl.node import raynode
-from segctl.orchestrator import lab as lablib
+from segctl import lab as lablib
 
 from .conftest import HOSTS, commands, run_in, ssh, where_readable
 

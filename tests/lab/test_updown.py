@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from segctl.orchestrator import lab as lablib
+from segctl import lab as lablib
 from tests.conftest import assert_one_line_error, segctl
 
 from .conftest import ssh
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _up_elsewhere(n: int) -> lablib.Lab:
     """A lab made by another process, gone by the time this one takes it down."""
-    made = subprocess.run([sys.executable, "-c", f"from orchestrator import lab; lab.up({n})"],
+    made = subprocess.run([sys.executable, "-c", f"from segctl import lab; lab.up({n})"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr[-2000:]
     return lablib.load()

@@ -1,7 +1,7 @@
-"""How the fleet is shared between sweeps (and so between the people who submit
-them): which sweep's pending trial a free node goes to next, and why a trial the
-head did not get to waits. Plain functions over what the head knows in a turn; no
-Ray, no state.db.
+"""Fair share: how the fleet is shared between sweeps (and so between the people
+who submit them): which sweep's pending trial a free node goes to next, and why a
+trial the head did not get to waits. Plain functions over what the head knows in a
+turn; no Ray, no state.db. (Early stopping, the sweep key `scheduler:`, is asha.py.)
 
 - A higher `priority` goes first: its pending trials are tried on the free nodes
   before any of a lower priority; a lower one takes only what they cannot use.

@@ -1,0 +1,195 @@
+"""Where a pending trial goes: which free node, at which plan, lent how much memory,
+or why it waits, or that it never can run (docs/design.md, "Sharing the fleet",
+step 4). Which sweep's trial is tried next is fairshare.py's question; this
+module answers for one trial at a time, on plain values: the nodes up, the free
+ones, what running attempts hold, and a `plan(node, budget_gb)` function (the
+planner with the trial's memory model; None: the whole node's budget).
+
+The controller (head.py `place`) asks `place_trial` for each trial its turn
+tries, applies the decision (dispatch to the node's agent, a FAILED move, or the
+reason it waits in state.db) and takes the node out of the free ones once it is
+full."""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Mapping, NamedTuple, Optional
+
+from segctl.schemas.records import NodeInfo, Plan
+
+from .fairshare import Contender, why_waiting
+from .outcomes import broke_on, shared_oom
+from .snapshot import Attempt, Held, Trial
+
+PlanFn = Callable[[NodeInfo, Optional[float]], Plan]   # (node, budget GB or None: all of it)
+
+
+class Place(NamedTuple):
+    """Start an attempt of `trial` on `node` at `plan`, guarded at `budget_gb`
+    (`solo`: it has the node to itself)."""
+    trial: str
+    node: NodeInfo
+    plan: Plan
+    budget_gb: float
+    solo: bool
+
+
+class Wait(NamedTuple):
+    """`trial` stays pending, for `reason` (`segctl status` shows it)."""
+    trial: str
+    reason: str
+
+
+class Fail(NamedTuple):
+    """`trial` can never run where it may: it fails for `reason`."""
+    trial: str
+    reason: str
+
+
+def plan_class(n: NodeInfo) -> tuple[str, float]:
+    """What a node's plans depend on: its class (chip) and its memory budget."""
+    return n.node_class, n.memory_gb
+
+
+def spare(n: NodeInfo, held: Held) -> float:
+    """GB of node `n`'s budget no running attempt holds."""
+    return n.memory_gb - sum(held.get(n.name, {}).values())
+
+
+def takes_work(n: NodeInfo, held: Held, agent_up: bool) -> bool:
+    """Whether node `n` can start one more attempt: its agent is up, it runs fewer
+    than its max_trials, and memory is left (a tune holds it whole)."""
+    return agent_up and len(held.get(n.name, {})) < n.max_trials and spare(n, held) > 0
+
+
+def eligible(nodes: Mapping[str, NodeInfo], placement: dict, excluded,
+             cache: dict) -> tuple[set, dict]:
+    """(names, {(class, memory_gb): one such node}) of the nodes a trial with this
+    placement and these excluded nodes may use; `cache` keeps them for the turn:
+    most trials share both, and a fleet has hundreds of nodes of a few classes."""
+    key = (json.dumps(placement, sort_keys=True), frozenset(excluded))
+    if key not in cache:
+        names, classes = set(), {}
+        for n in nodes.values():
+            if n.matches(placement) and n.name not in excluded:
+                names.add(n.name)
+                classes.setdefault(plan_class(n), n)
+        cache[key] = names, classes
+    return cache[key]
+
+
+def place_trial(t: Trial, last: Optional[Attempt], *, placement: dict, margin: float,
+                nodes: Mapping[str, NodeInfo], free: list[NodeInfo], held: Held,
+                plan: PlanFn, cache: dict) -> Place | Wait | Fail:
+    """Trial `t` (its last attempt `last`) of a sweep with this `placement` and
+    planner `margin`: on the best of the `free` nodes where it fits now, else why
+    it waits, else (no node it may use can ever hold it) Fail. `cache`: the turn's
+    cache for `eligible`."""
+    excluded = set(t.excluded)
+    names, classes = eligible(nodes, placement, excluded, cache)
+    if not names:
+        if excluded and nodes:
+            return Fail(t.id, f"out of memory at segment_size 1 on {sorted(excluded)} "
+                              "and no other node matches")
+        return Wait(t.id, "no node alive" + (f" matches its placement {placement}"
+                                             if nodes else ""))
+    # Whether it fits a node at all is judged on the whole node (a plan depends
+    # on the node only through its class) ...
+    by_class = {k: plan(n, None) for k, n in classes.items()}
+    if not any(p.fits for p in by_class.values()):
+        worst = "; ".join(f"{n}: {by_class[plan_class(nodes[n])].reason}" for n in sorted(names))
+        return Fail(t.id, f"does not fit any node ({worst})")
+    # ... where it goes now, on what running attempts leave of each (a trial
+    # that ran out of memory sharing a node waits for one to itself).
+    solo = shared_oom(last, nodes.get(last.node) if last else None, t.own_budget_gb)
+    fitting, short = [], []   # short: free nodes it may use, too small for it now
+    for n in free:
+        if n.name not in names:
+            continue
+        whole = by_class[plan_class(n)]
+        if not whole.fits:
+            short.append(whole)
+        elif not (solo and held.get(n.name)):
+            left = spare(n, held)
+            p = whole if left >= n.memory_gb else plan(n, left)
+            if p.fits:
+                fitting.append((n, p))
+            else:
+                short.append(p)
+    if not fitting:   # it fits somewhere busy: it waits for room there
+        return Wait(t.id, _why_not_now(short, solo, any(n.name in names for n in free),
+                                       placement, excluded, margin))
+    # the least loaded node first (spread, then stack), then the fastest plan; a
+    # trial whose last attempt broke on a node (lost, or its agent failed: a full
+    # disk) goes to another one where it can, or that node takes every retry
+    broke = broke_on(last)
+    node, p = max(fitting, key=lambda np: (np[0].name != broke, -len(held.get(np[0].name, {})),
+                                           np[1].segment_size, -np[0].memory_gb))
+    return Place(t.id, node, p, lent_gb(node, p, margin=margin, solo=solo,
+                                       spare_gb=spare(node, held), own_gb=t.own_budget_gb), solo)
+
+
+def _why_not_now(short: list[Plan], solo: bool, free_eligible: bool, placement: dict,
+                 excluded: set, margin: float) -> str:
+    if short:
+        need = min(p.predicted_gb for p in short) / (1 - margin)
+        return (f"no free node fits (needs {need:.3g} GB, largest free budget "
+                f"{max(p.budget_gb for p in short):.3g} GB)")
+    if solo and free_eligible:
+        return "waiting for a node to itself (it ran out of memory sharing one)"
+    why = "waiting for a free node"   # the free ones are nodes it may not use
+    if placement:
+        why += f" matching its placement {placement}"
+    if excluded:
+        why += (f" other than {', '.join(sorted(excluded))} (out of memory at "
+                "segment_size 1 there)")
+    return why
+
+
+def lent_gb(node: NodeInfo, plan: Plan, *, margin: float, solo: bool, spare_gb: float,
+            own_gb: Optional[float]) -> float:
+    """The memory an attempt at `plan` is lent on `node` (its guard holds it to it).
+    A node alone to itself (max_trials 1), or a `solo` attempt, lends all of the
+    node; a node that shares lends what the plan predicts plus the margin, at least
+    its even share of the node (a low prediction of a small trial costs nothing
+    then), at most what is left. The job's own budget, where smaller, wins."""
+    hold = node.memory_gb if node.max_trials == 1 or solo else min(
+        spare_gb, max(plan.predicted_gb / (1 - margin), node.memory_gb / node.max_trials))
+    return min(own_gb or hold, hold)
+
+
+def waiting_reasons(turn: list[Contender], pending: Mapping[str, list[str]],
+                    tried: Mapping[str, Optional[str]], *, nodes: int,
+                    slots: int) -> dict[str, tuple[str, str]]:
+    """Why each pending trial (`pending`: sweep -> its pending trials' ids) waits
+    after a turn, trial -> (sweep, reason): the reason found when the turn tried it
+    (`tried`: None, placed; '', failed: neither waits), else its sweep's reason
+    not to have got to it (fairshare.why_waiting)."""
+    waiting = {}
+    for c in turn:
+        left = why_waiting(c, turn, nodes=nodes, slots=slots)
+        for tid in pending[c.sweep]:
+            reason = tried.get(tid, left)
+            if reason:
+                waiting[tid] = (c.sweep, reason)
+    return waiting
+
+
+def waiting_changes(known: Mapping[str, str], waiting: Mapping[str, tuple[str, str]],
+                    looked_at=None) -> tuple[dict, list]:
+    """What to write of why trials wait: (trial -> (sweep, reason) changed since
+    `known` (trial -> the reason state.db has), trials that no longer wait).
+    `looked_at`: the trials `waiting` speaks for (None: every pending trial); a
+    trial among them and not in `waiting` no longer waits."""
+    changed = {t: v for t, v in waiting.items() if known.get(t) != v[1]}
+    scope = known if looked_at is None else looked_at
+    return changed, [t for t in scope if t not in waiting and t in known]
+
+
+def every_reason_due(pending: int, shape, noted: tuple[float, object], now: float, *,
+                     upto: int, every_s: float) -> bool:
+    """Whether a turn writes why every pending trial waits, or only the trials it
+    tried: always up to `upto` pending trials; past that when the sweeps or nodes
+    (`shape`) changed since the last whole write (`noted`: its (time, shape)), or
+    `every_s` after it."""
+    return pending <= upto or shape != noted[1] or now - noted[0] >= every_s
