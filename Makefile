@@ -9,7 +9,7 @@ DEMO    ?= demo
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 RUN     := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) PYTHONPATH=$(CURDIR)
 
-.PHONY: demo test test-fast install openblas sshd chromium clean
+.PHONY: demo test test-fast lint install openblas sshd chromium clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -63,6 +63,10 @@ demo: install
 # The lab's fault scenarios (mostly waiting) run beside the rest: tests/run.sh.
 test: install
 	$(RUN) bash tests/run.sh $(BIN)/python
+
+# Lint and import order (pyproject's [tool.ruff]); CI runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # The inner loop: everything but Ray fleets, the lab and the model-family walk.
 test-fast: install

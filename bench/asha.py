@@ -22,7 +22,6 @@ far, both runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path

@@ -21,6 +21,8 @@ import subprocess
 import time
 
 import segctl  # noqa: F401  (sets MLX's CUDA attention cache sizes before MLX loads)
+
+# isort: split
 import mlx.core as mx
 
 from segctl.engine import attention

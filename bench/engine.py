@@ -35,14 +35,16 @@ import time
 from functools import partial
 
 import segctl  # noqa: F401 (first: it sizes MLX's CUDA attention caches before MLX loads)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 
+from segctl.engine.data import Example, PreferenceExample
+from segctl.engine.demo import FAMILY_CONFIGS
 from segctl.engine.model import apply_lora, model_parts
 from segctl.engine.optim import apply_grads, make_optimizer
 from segctl.engine.step import loss_and_grads
-from segctl.engine.data import Example, PreferenceExample
-from segctl.engine.demo import FAMILY_CONFIGS
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
 

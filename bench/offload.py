@@ -34,13 +34,15 @@ import tempfile
 import time
 
 import segctl  # noqa: F401 (first: it sizes MLX's CUDA attention caches before MLX loads)
+
+# isort: split
 import mlx.core as mx
 
+from bench.engine import _device_name, bench_model
 from segctl.engine import offload as offload_mod
 from segctl.engine.data import Example
 from segctl.engine.model import model_parts
 from segctl.engine.step import loss_and_grads
-from bench.engine import bench_model, _device_name
 
 # variant: whether a discrete GPU's copies are on ("memory" writes no file)
 VARIANTS = {"memory": True, "faults": False, "copies": True}

@@ -50,8 +50,7 @@ def mlx_lm_lora_orpo_step(model, optimizer, prompt: list[int], chosen: list[int]
     do_step() that runs one of its training steps and returns the loss."""
     from mlx.nn.utils import average_gradients
     from mlx.utils import tree_map
-    from mlx_lm_lora.trainer.orpo_trainer import (
-        iterate_orpo_batches, orpo_loss, orpo_loss_from_model)
+    from mlx_lm_lora.trainer.orpo_trainer import iterate_orpo_batches, orpo_loss, orpo_loss_from_model
     from mlx_lm_lora.trainer.sft_trainer import grad_checkpoint as lora_grad_checkpoint
 
     # The record ORPODataset would hold: full token lists plus the prompt length.

@@ -45,15 +45,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from segctl.engine import attention
+from segctl.engine import rows as rows_mod
+from segctl.engine import step as step_mod
+from segctl.engine.attention import blocked_grads
 from segctl.engine.data import Example, PreferenceExample
 from segctl.engine.demo import demo_examples, write_model
 from segctl.engine.model import apply_lora, load_model, model_parts
 from segctl.engine.optim import apply_grads, make_optimizer
 from segctl.engine.step import loss_and_grads
-from segctl.engine import attention, rows as rows_mod, step as step_mod
-from segctl.engine.attention import blocked_grads
-from segctl.orchestrator.planner import (ModelInfo, block_backward, kv_grad_sums, model_info,
-                                        predict_gb)
+from segctl.orchestrator.planner import ModelInfo, block_backward, kv_grad_sums, model_info, predict_gb
 from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
 
 RANK = 8

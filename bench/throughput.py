@@ -176,8 +176,10 @@ def default_configs(batches: list[int], segment_sizes: list[int]) -> list[str]:
 
 def run_one(cfg: dict, args) -> dict:
     import segctl  # noqa: F401 (first: it sizes MLX's CUDA attention caches before MLX loads)
+    # isort: split
     import mlx.core as mx
-    from bench.engine import bench_model, _device_name
+
+    from bench.engine import _device_name, bench_model
     from segctl.engine.optim import make_optimizer
 
     if args.cpu:
@@ -299,6 +301,7 @@ def _mlx_lm(model, optimizer, rows, cfg, args):
 
 def _segctl(model, optimizer, rows, cfg, args):
     import mlx.core as mx
+
     from segctl.engine.data import Example
     from segctl.engine.model import model_parts
     from segctl.engine.optim import apply_grads

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import secrets
+import shutil
 import string
 from pathlib import Path
 
@@ -466,7 +466,8 @@ def write_demo(
     behind. Returns the path of job.yaml.
     """
     out_dir = Path(out_dir)
-    from segctl.schemas.job import DEMO_ARCHS as ARCHS, METHODS
+    from segctl.schemas.job import DEMO_ARCHS as ARCHS
+    from segctl.schemas.job import METHODS
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     if method not in METHODS:

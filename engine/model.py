@@ -30,7 +30,6 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-
 from mlx_lm.models.base import create_attention_mask
 
 from segctl.schemas.limits import read_model_config
@@ -66,7 +65,8 @@ class ModelParts:
 
 def load_model(path: str | Path):
     """(model, tokenizer) from a local Hugging Face folder through mlx-lm's loader."""
-    from mlx_lm.utils import load_model as mlx_load_model, load_tokenizer
+    from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
 
     folder = Path(path)
     if not folder.is_dir():

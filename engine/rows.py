@@ -119,7 +119,7 @@ def _spans(n: int, chunk: int):
 def _qkv(layer, call, h, mask, chunk):
     """(q, k, v, scale, mask the layer gives its attention) over the whole row, P
     run a chunk at a time outside any transform."""
-    parts, attn = [], None
+    parts = []   # a row has at least one chunk: `attn` is the last one's
     for a, b in _spans(h.shape[1], chunk):
         with _chunk(layer, a, _Attn()) as attn:
             call(h[:, a:b], mask)

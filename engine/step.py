@@ -48,12 +48,12 @@ from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
-from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from . import rows
-from .layer import eager, layer_vjp
-from .offload import Boundaries
+from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .data import Example, PreferenceExample
+from .layer import eager, layer_vjp
 from .model import ModelParts, model_parts
+from .offload import Boundaries
 
 PhaseHook = Callable[[str], None]
 

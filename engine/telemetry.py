@@ -42,8 +42,14 @@ class ProgressBar:
         self.task = None
 
     def __call__(self, event: ev.Event):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         if isinstance(event, ev.Start):
             how = f"segment_size {event.segment_size}" if event.segment_size else event.mode
             resumed = f", resumed at step {event.resumed_from}" if event.resumed_from is not None else ""

@@ -17,12 +17,12 @@ from pathlib import Path
 import ray
 
 from segctl.schemas.limits import MAX_TRIALS_PER_NODE
+from segctl.schemas.private import private_dir
 from segctl.schemas.records import AttemptResult, AttemptSpec, ProbeSpec
 
 from .attempt import Running, abandoned, run_attempt
 from .models import local_model
 from .probes import run_probes
-from .raynode import private_dir
 
 CALL_TIMEOUT_S = 120
 

@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 from segctl.schemas import events as ev
+from segctl.schemas.private import private_dir, private_file
 from segctl.schemas.records import AttemptResult, AttemptSpec
-
-from .raynode import private_dir, private_file
 
 DATA_CACHE = "data-cache"   # beside the attempt folders of a node: tokenized data sets
 DRAIN_S = 5          # seconds the worker's stderr gets to drain once it has exited

@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from segctl.schemas.atomic import fsync_dir
-
-from .raynode import private_dir
+from segctl.schemas.private import private_dir
 
 CHUNK = 32 << 20   # bytes per call; well under a Mac's 2 GiB object store
 HASH_BLOCK = 8 << 20

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from segctl.schemas.private import private_dir, private_file
 from segctl.schemas.records import ProbeSpec
 
 from .attempt import DRAIN_S, Running, _last, start_worker
-from .raynode import private_dir, private_file
 
 
 def run_probes(spec: ProbeSpec, work: Path, *, send: Callable[[dict], None],

@@ -71,6 +71,7 @@ def _wait_as_spare() -> list[str] | None:
 
 def _probe(path: str) -> int:
     import time
+
     from segctl.engine import telemetry
     from segctl.engine.model import ModelError
     from segctl.engine.probe import run_probes

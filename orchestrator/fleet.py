@@ -37,6 +37,7 @@ from segctl.schemas.atomic import write_atomic
 from segctl.schemas.cluster import DEFAULT_MAX_TRIALS
 from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS, segctl_home, stores_root
 from segctl.schemas.limits import MAX_MEMORY_GB, MAX_TRIALS_PER_NODE
+from segctl.schemas.private import private_dir, private_file
 from segctl.schemas.records import NodeInfo
 
 # `ray` itself is imported only where a driver is needed: the ssh helpers serve
@@ -464,8 +465,8 @@ def _free_port() -> int:
 def _locked(root: Path):
     """One `up`/`down` at a time per stores root (two CLI calls racing to bring
     up the embedded fleet would start two heads)."""
-    raynode.private_dir(root)
-    with open(raynode.private_file(root / "fleet.lock"), "w") as f:
+    private_dir(root)
+    with open(private_file(root / "fleet.lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -483,15 +484,15 @@ def _read(path: Path, default=None):
 
 
 def _write(path: Path, data) -> None:
-    raynode.private_file(raynode.private_dir(path.parent) / path.name,
+    private_file(private_dir(path.parent) / path.name,
                          json.dumps(data, indent=2).encode())
 
 
 def _write_token(path: Path, token: str, *, replace: bool) -> Path:
     data = (token.strip() + "\n").encode()
-    raynode.private_dir(path.parent)
+    private_dir(path.parent)
     if replace:
-        return raynode.private_file(path, data)
+        return private_file(path, data)
     try:
         write_atomic(path, data, mode=0o600, replace=False)
     except FileExistsError:

@@ -46,12 +46,20 @@ from typing import NamedTuple
 
 import ray
 
-from segctl.node.raynode import private_dir
-from segctl.schemas.defaults import (DEFAULT_MARGIN, DEFAULT_SCALE, TELEMETRY_CALLS_PER_S,
-                                     TELEMETRY_FLUSH_S)
+from segctl.schemas.defaults import DEFAULT_MARGIN, DEFAULT_SCALE, TELEMETRY_CALLS_PER_S, TELEMETRY_FLUSH_S
 from segctl.schemas.job import JobSpec
-from segctl.schemas.records import (TERMINAL, AttemptResult, AttemptSpec, AttemptStatus, NodeInfo,
-                                    Outcome, SweepState, TrialState, TuneState)
+from segctl.schemas.private import private_dir
+from segctl.schemas.records import (
+    TERMINAL,
+    AttemptResult,
+    AttemptSpec,
+    AttemptStatus,
+    NodeInfo,
+    Outcome,
+    SweepState,
+    TrialState,
+    TuneState,
+)
 
 from . import asha, fairshare, measured, outcomes, placement, planner, probing
 from .intake import check_payload, error_line, keep_inputs, read_input

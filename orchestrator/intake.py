@@ -12,11 +12,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from segctl.node.raynode import private_dir
 from segctl.schemas.atomic import write_atomic
 from segctl.schemas.cluster import PlannerSpec
-from segctl.schemas.limits import (MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN, one_line,
-                                   path_problem)
+from segctl.schemas.limits import MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN, one_line, path_problem
+from segctl.schemas.private import private_dir
 from segctl.schemas.sweep import check_expanded
 
 from . import planner

@@ -33,9 +33,15 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from segctl.schemas.defaults import (
+    ATTN_KEY_TILE,
+    ATTN_TILED_ABOVE,
+    DEFAULT_ATTN_BLOCK,
+    DEFAULT_HEAD_CHUNK,
+    DEFAULT_MARGIN,
+    DEFAULT_MLP_CHUNK,
+)
 from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
-from segctl.schemas.defaults import (ATTN_KEY_TILE, ATTN_TILED_ABOVE, DEFAULT_ATTN_BLOCK,
-                                     DEFAULT_HEAD_CHUNK, DEFAULT_MARGIN, DEFAULT_MLP_CHUNK)
 from segctl.schemas.job import JobSpec
 from segctl.schemas.limits import check_model_config, read_model_config
 from segctl.schemas.records import Plan

@@ -29,11 +29,21 @@ from typing import Any, Iterable, Optional
 
 from pydantic import ValidationError
 
-from segctl.node.raynode import private_dir, private_file
 from segctl.schemas.cluster import PlannerSpec
 from segctl.schemas.limits import one_line
-from segctl.schemas.states import (ATTEMPT_MOVES, MOVES, TERMINAL, TUNE_MOVES, TUNE_TERMINAL,
-                             AttemptStatus, Outcome, SweepState, TrialState, TuneState)
+from segctl.schemas.private import private_dir, private_file
+from segctl.schemas.states import (
+    ATTEMPT_MOVES,
+    MOVES,
+    TERMINAL,
+    TUNE_MOVES,
+    TUNE_TERMINAL,
+    AttemptStatus,
+    Outcome,
+    SweepState,
+    TrialState,
+    TuneState,
+)
 from segctl.schemas.sweep import SchedulerSpec, SweepSpec
 
 from .snapshot import Attempt, Trial

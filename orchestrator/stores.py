@@ -48,11 +48,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 # private_dir / private_file: also what the head uses for inputs/ and state.db
-from segctl.node.raynode import alive, private_dir, private_file
+from segctl.node.raynode import alive
 from segctl.orchestrator.state import LOCK_WAIT_S, StoreError
 from segctl.schemas import store_rows as sr
 from segctl.schemas.atomic import fsync_dir
 from segctl.schemas.limits import safetensors_header
+from segctl.schemas.private import private_dir, private_file
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (

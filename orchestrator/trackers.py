@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from segctl.node.raynode import private_dir
 from segctl.schemas.job import JobSpec, TrackerSpec
+from segctl.schemas.private import private_dir
 
 # What each tracker imports, and the extra that installs it (pip install 'segctl[NAME]').
 REQUIRES = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow",), "wandb": ("wandb",)}

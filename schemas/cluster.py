@@ -10,12 +10,21 @@ from typing import Annotated, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import SpecError
-from .limits import (HOST_PATTERN, LABEL_KEY_PATTERN, LABEL_PATTERN, MAX_HOST_CHARS, MAX_LABEL_CHARS,
-                     MAX_MEMORY_GB, MAX_PORT, MAX_TRIALS_PER_NODE, NODE_NAME_PATTERN, check_path)
 # (schemas.cluster.DEFAULT_MARGIN and DEFAULT_MAX_TRIALS are these, for those who import them here)
-from .defaults import (DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_PORT, DEFAULT_SCALE,
-                       DEFAULT_STORES)
+from .defaults import DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_PORT, DEFAULT_SCALE, DEFAULT_STORES
+from .errors import SpecError
+from .limits import (
+    HOST_PATTERN,
+    LABEL_KEY_PATTERN,
+    LABEL_PATTERN,
+    MAX_HOST_CHARS,
+    MAX_LABEL_CHARS,
+    MAX_MEMORY_GB,
+    MAX_PORT,
+    MAX_TRIALS_PER_NODE,
+    NODE_NAME_PATTERN,
+    check_path,
+)
 from .yamlspec import first_problems, line_of, load_yaml, not_a_mapping, problem
 
 # Node labels become Ray node labels; these come from the node itself (NodeInfo.matches).

@@ -6,13 +6,33 @@ from collections import Counter
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union, get_args
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
-                      field_validator, model_serializer, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from .defaults import (DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_LENGTH,
-                       DEFAULT_MLP_CHUNK)
-from .limits import (MAX_BATCH, MAX_HIDDEN, MAX_KEY_CHARS, MAX_LAYERS, MAX_LIST_ITEMS, MAX_MEMORY_GB,
-                     MAX_NAME_CHARS, MAX_SEED, MAX_STEPS, MAX_TOKENS, NAME_PATTERN, check_path)
+from .defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_LENGTH, DEFAULT_MLP_CHUNK
+from .limits import (
+    MAX_BATCH,
+    MAX_HIDDEN,
+    MAX_KEY_CHARS,
+    MAX_LAYERS,
+    MAX_LIST_ITEMS,
+    MAX_MEMORY_GB,
+    MAX_NAME_CHARS,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    NAME_PATTERN,
+    check_path,
+)
 from .names import DEMO_ARCHS, METHODS  # noqa: F401 (re-exported)
 from .yamlspec import did_you_mean, load_yaml, validate
 

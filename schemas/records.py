@@ -11,9 +11,20 @@ from pydantic import BaseModel, Field
 
 from .defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK, TELEMETRY_FLUSH_S
 from .job import LoraSpec, Method
-from .states import (ATTEMPT_MOVES, MOVES, OUTCOME_MOVES, OUTCOMES, TERMINAL,  # noqa: F401
-                     TUNE_MOVES, TUNE_TERMINAL, AttemptStatus, Outcome, SweepState,
-                     TrialState, TuneState)
+from .states import (  # noqa: F401
+    ATTEMPT_MOVES,
+    MOVES,
+    OUTCOME_MOVES,
+    OUTCOMES,
+    TERMINAL,
+    TUNE_MOVES,
+    TUNE_TERMINAL,
+    AttemptStatus,
+    Outcome,
+    SweepState,
+    TrialState,
+    TuneState,
+)
 
 
 class Plan(BaseModel):

@@ -20,16 +20,37 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, NamedTuple, Optional
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
 from .job import JobSpec, PathStr, ReportTo, Strict, resolve_trackers
-from .limits import (MAX_EXPANDED_BYTES, MAX_JOB_BYTES, MAX_LIST_ITEMS, MAX_NAME_CHARS,
-                     MAX_PRIORITY, MAX_PROBLEMS, MAX_RETRIES, MAX_STEPS, MAX_SWEEP_NAME_CHARS,
-                     MAX_TRIALS, NAME_PATTERN, json_bytes, one_line, path_problem)
-from .yamlspec import (did_you_mean, first_problems, line_of, load_yaml, mlx_lm_says, node_at,
-                       not_a_mapping, problem, problem_line)
+from .limits import (
+    MAX_EXPANDED_BYTES,
+    MAX_JOB_BYTES,
+    MAX_LIST_ITEMS,
+    MAX_NAME_CHARS,
+    MAX_PRIORITY,
+    MAX_PROBLEMS,
+    MAX_RETRIES,
+    MAX_STEPS,
+    MAX_SWEEP_NAME_CHARS,
+    MAX_TRIALS,
+    NAME_PATTERN,
+    json_bytes,
+    one_line,
+    path_problem,
+)
+from .yamlspec import (
+    did_you_mean,
+    first_problems,
+    line_of,
+    load_yaml,
+    mlx_lm_says,
+    node_at,
+    not_a_mapping,
+    problem,
+    problem_line,
+)
 
 DISTRIBUTIONS = ("log_uniform", "uniform", "choice")
 # Job keys holding paths: resolved against the folder of the file that wrote them.

@@ -168,7 +168,7 @@ def problem(path: str | Path, model: type[BaseModel], node, err: dict, prefix: s
 
 def _is_job(model) -> bool:
     # only a job takes mlx-lm's keys' hints: in a cluster file they would mislead
-    from .job import JobSpec   # here: job.py imports this module
+    from .job import JobSpec  # here: job.py imports this module
     return model is JobSpec
 
 

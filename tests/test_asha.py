@@ -19,8 +19,8 @@ from segctl.schemas.errors import SpecError
 from segctl.schemas.records import AttemptResult, AttemptSpec
 from segctl.schemas.sweep import SchedulerSpec, load_sweep
 from tests.conftest import assert_one_line_error, segctl
-from tests.test_controller import live, payload, reasons, sweep_of   # noqa: F401 (fixture)
-from tests.test_head_isolation import World, adapter_dir, sweep_state, trials   # noqa: F401
+from tests.test_controller import live, payload, reasons, sweep_of  # noqa: F401 (fixture)
+from tests.test_head_isolation import World, adapter_dir, sweep_state, trials  # noqa: F401
 
 # grace 4, reduction 3, max 36: decisions at steps 4 and 12
 ASHA = {"type": "asha", "metric": "val_loss", "grace_steps": 4, "reduction": 3, "max_steps": 36}

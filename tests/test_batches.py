@@ -14,7 +14,7 @@ from segctl.engine import Example, PreferenceExample, loss_and_grads
 from segctl.engine.attention import BlockMask
 from segctl.engine.model import model_parts
 from segctl.engine.step import first_fit, make_plans, pack_refusal, supervised_tokens
-from tests.conftest import assert_one_line_error, edit_job, random_lora, segctl
+from tests.conftest import assert_one_line_error, edit_job, segctl
 from tests.test_step import lora_model, worst_rel_error
 
 TOL = 1e-4

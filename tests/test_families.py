@@ -20,8 +20,8 @@ from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import ModelError, check_length, model_parts
 from segctl.engine.step import pack_refusal
 from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
-from tests.zoo import families, tiny_model
 from tests.conftest import WIDE, random_lora
+from tests.zoo import families, tiny_model
 
 TOL = 1e-4
 BLOCK = 16
@@ -145,6 +145,7 @@ def test_named_family_preference_methods_are_exact(family):
 
 def test_a_refused_family_stops_validate_plan_submit_and_tune(demo_dir, tmp_path):
     import json
+
     from tests.conftest import assert_one_line_error, segctl
     from tests.test_train_cli import copy_demo
     from tests.zoo import tiny_config

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from segctl.engine.demo import GEMMA4_WINDOW, write_model, demo_preferences
+from segctl.engine.demo import GEMMA4_WINDOW, demo_preferences, write_model
 from segctl.engine.model import apply_lora, forward_parts, load_model, model_parts
 from tests.conftest import segctl
 

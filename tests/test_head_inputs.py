@@ -20,8 +20,7 @@ from click.testing import CliRunner
 
 from segctl.orchestrator import fleet
 from segctl.schemas.limits import MAX_MEMORY_GB
-from tests.test_head_isolation import (World, adapter_dir, ok, payload, running,  # noqa: F401
-                                       small, sweep_state, trials)
+from tests.test_head_isolation import World, adapter_dir, ok, payload, running, small, sweep_state, trials  # noqa: F401
 
 
 def _set(p: dict, where: str, value) -> dict:

@@ -11,8 +11,6 @@ Everything the controller writes is real.
 from __future__ import annotations
 
 import json
-import logging
-import shutil
 import sqlite3
 from pathlib import Path
 
@@ -556,7 +554,7 @@ def test_a_node_runs_as_many_trials_as_its_max_trials_and_its_memory_allow(tmp_p
     world = World(names=("a",))
     world.nodes[0].max_trials = 3
     c = world.controller(tmp_path)
-    sid = c.submit(_fixed(payload, "s", n=4))
+    c.submit(_fixed(payload, "s", n=4))
     world.turns(c, 2)
     runs = running(world.agents["a"])
     assert len(runs) == 3   # max_trials, not memory, is the bound on 8 GB

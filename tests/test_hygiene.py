@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from segctl.node import models, raynode
-from segctl.node.raynode import private_dir, private_file
+from segctl.schemas.private import private_dir, private_file
 from segctl.schemas.records import AttemptSpec
 from tests.test_stores import attempt_row, run_events
 

@@ -8,12 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import threading
 
 from segctl.engine import offload
 from segctl.engine.offload import Boundaries, OffloadError, check_folder

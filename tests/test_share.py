@@ -21,7 +21,7 @@ from segctl.orchestrator.head import Controller
 from segctl.schemas.errors import SpecError
 from segctl.schemas.sweep import load_sweep, submitter
 from tests.conftest import assert_one_line_error, segctl
-from tests.test_controller import end, live, payload, sweep_of   # noqa: F401 (fixture)
+from tests.test_controller import end, live, payload, sweep_of  # noqa: F401 (fixture)
 from tests.test_head_isolation import World
 
 
@@ -363,6 +363,7 @@ def test_the_trials_table_wraps_its_last_column_under_itself_and_cuts_nothing():
     took seconds): a long reason or message wraps at spaces under its own column,
     in the reason's colour; on a terminal too narrow for that the whole line wraps."""
     from rich.console import Console
+
     from segctl.orchestrator.views import trials_table
     reason = "no free node fits (needs 12.3 GB, largest free budget 8 GB)"
     message = "the engine stopped: " + "word " * 30 + "x" * 40

@@ -17,8 +17,7 @@ import pytest
 
 from segctl.orchestrator import state as statelib
 from segctl.orchestrator.state import LATEST, State, StateError, TransitionError
-from segctl.schemas.records import (OUTCOME_MOVES, AttemptResult, AttemptStatus, Outcome,
-                                    TrialState, TuneState)
+from segctl.schemas.records import OUTCOME_MOVES, AttemptResult, AttemptStatus, Outcome, TrialState, TuneState
 from tests.test_head_isolation import World
 
 V1_SQL = Path(__file__).parent / "fixtures" / "state_v1.sql"

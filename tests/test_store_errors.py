@@ -22,8 +22,8 @@ from segctl.orchestrator import stores as stores_mod
 from segctl.orchestrator.state import LATEST, State, StateError, StoreError
 from segctl.orchestrator.stores import STAGING_VERSION, Stores
 from segctl.schemas import store_rows as sr
-from tests.test_head_isolation import World, payload, running, small  # noqa: F401
 from tests.conftest import locked
+from tests.test_head_isolation import World, payload, running, small  # noqa: F401
 from tests.test_stores import run_events
 
 

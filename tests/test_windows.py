@@ -16,12 +16,12 @@ import pytest
 from mlx_lm.models.base import create_attention_mask
 
 from segctl.engine import Example, loss_and_grads
-from segctl.engine.attention import BlockMask, blocked_grads, attend, default_rows
+from segctl.engine.attention import BlockMask, attend, blocked_grads, default_rows
 from segctl.engine.data import PreferenceExample
 from segctl.engine.model import model_parts
 from segctl.engine.step import eval_loss
-from tests.test_step import TOL, worst_rel_error
 from tests.conftest import WIDE, random_lora
+from tests.test_step import TOL, worst_rel_error
 
 W = 8
 PAIR = ["sliding_attention", "full_attention"]

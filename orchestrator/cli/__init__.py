@@ -21,6 +21,7 @@ import click
 from segctl.schemas import SpecError
 from segctl.schemas.defaults import stores_root
 from segctl.schemas.limits import one_line
+
 # stdlib-only names: the CLI starts without loading pydantic (schemas/names.py)
 from segctl.schemas.names import EXIT_BAD_INPUT, EXIT_INTERNAL
 
@@ -118,4 +119,4 @@ def _from_db(root: Path, read):
 
 
 # The command groups, each registering its commands on `main` (last: they import the above).
-from . import cluster, lab, results, sweeps, train, tune   # noqa: E402,F401
+from . import cluster, lab, results, sweeps, train, tune  # noqa: E402,F401

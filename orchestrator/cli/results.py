@@ -32,7 +32,8 @@ def gather(sweep, out: Path, best, metric, cluster_file):
     the sha256 of every file. Every file is checked against the sha256 its node
     recorded when it sent it: a damaged store exits 1 and writes nothing. OUT and
     its files are the owner's alone (0700 / 0600)."""
-    from segctl.orchestrator.gather import Mismatch, gather as do_gather
+    from segctl.orchestrator.gather import Mismatch
+    from segctl.orchestrator.gather import gather as do_gather
     from segctl.orchestrator.stores import Stores
     if best is not None and best < 1:
         _fail("--best: must be at least 1")

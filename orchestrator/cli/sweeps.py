@@ -13,7 +13,7 @@ import click
 
 from segctl.schemas.states import SweepState, TrialState
 
-from .. import cli, views   # cli._head is looked up when called: tests replace it
+from .. import cli, views  # cli._head is looked up when called: tests replace it
 from . import _cluster, _fail, _from_db, _load, _root, _says, cluster_option, main
 from .checks import check_families, check_packing, check_trackers
 

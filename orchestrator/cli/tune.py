@@ -14,7 +14,7 @@ from segctl.schemas.defaults import DEFAULT_MARGIN
 from segctl.schemas.limits import MAX_TOKENS
 from segctl.schemas.names import EXIT_INTERNAL, METHODS
 
-from .. import cli, views   # cli._head is looked up when called: tests replace it
+from .. import cli, views  # cli._head is looked up when called: tests replace it
 from . import _cluster, _fail, _load, _root, cluster_option, main
 from .checks import check_families, check_packing
 

@@ -13,8 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
-from segctl.node import raynode
 from segctl import lab as lablib
+from segctl.node import raynode
 
 from .conftest import HOSTS, commands, run_in, ssh, where_readable
 
