@@ -30,6 +30,7 @@ from typing import Optional
 
 from segctl.schemas.atomic import write_atomic
 from segctl.schemas.defaults import DEFAULT_MAX_SEQ_LENGTH
+from segctl.schemas.errors import UserError
 from segctl.schemas.limits import MAX_ROW_BYTES, load_json, one_line
 
 
@@ -49,7 +50,7 @@ class PreferenceExample:
     rejected_prompt: Optional[list[int]] = None
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data file or row we cannot train on; the message starts with file:line and
     is one line (a row's keys are the user's: newlines in them are escaped)."""
 

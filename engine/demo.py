@@ -440,7 +440,7 @@ def _set_readout_gain(model, config: dict) -> None:
     gain = LOGIT_SCALE / row_norm
     zero = mx.zeros(norm.weight.shape, dtype=norm.weight.dtype)
     norm.weight = zero
-    offset = mx.abs(norm(mx.ones((1, zero.shape[0]), dtype=zero.dtype))).max().item() > 0
+    offset = float(mx.abs(norm(mx.ones((1, zero.shape[0]), dtype=zero.dtype))).max()) > 0
     norm.weight = mx.full(zero.shape, gain - 1.0 if offset else gain, dtype=zero.dtype)
 
 

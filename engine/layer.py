@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,7 +67,7 @@ def tokenwise_children(layer: nn.Module, run_layer, dim: int) -> list[str]:
         child = layer.get(name) if isinstance(layer, dict) else None
         if not isinstance(child, nn.Module) or not _rowwise(child, dim):
             continue
-        calls = []
+        calls: list = []
 
         def spy(x, _child=child, _calls=calls):
             _calls.append(tuple(x.shape))
@@ -112,8 +113,8 @@ def same_cut(whole: mx.array, cut: mx.array) -> bool:
     if whole.shape != cut.shape:
         return False
     a, b = whole.astype(mx.float32), cut.astype(mx.float32)
-    scale = max(mx.max(mx.abs(a)).item(), 1e-6)
-    return bool(mx.max(mx.abs(a - b)).item() <= 1e-2 * scale)
+    scale = max(float(mx.max(mx.abs(a))), 1e-6)
+    return bool(float(mx.max(mx.abs(a - b))) <= 1e-2 * scale)
 
 
 def _dropout_off(module: nn.Module) -> bool:
@@ -179,7 +180,7 @@ def _chunked(module, chunk):
 class _Op:
     inputs: list                     # evaluated primal inputs
     output: mx.array                 # evaluated forward output
-    grads_of: object                 # d_out -> input gradients, in pieces, outside transforms
+    grads_of: Callable               # d_out -> input gradients, in pieces, outside transforms
     d_out: mx.array | None = None
     grads: tuple | None = None
 

@@ -32,10 +32,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
+from segctl.schemas.errors import UserError
 from segctl.schemas.limits import read_model_config
 
 
-class ModelError(Exception):
+class ModelError(UserError):
     """The model folder or its architecture cannot be used; message names the folder."""
 
 
@@ -130,7 +131,7 @@ def apply_lora(model: nn.Module, *, rank: int, scale: float, dropout: float,
 
     n = len(model.layers)
     num_layers = n if num_layers in (-1, None) or num_layers > n else num_layers
-    params = {"rank": rank, "scale": scale, "dropout": dropout}
+    params: dict = {"rank": rank, "scale": scale, "dropout": dropout}
     if keys:
         params["keys"] = list(keys)
     model.freeze()
@@ -254,7 +255,7 @@ def _observe(inner, ids) -> _Observed:
 
     inner.layers = [_Tap(layer, log) for layer in layers]
     if saved_mask is not None:
-        module.create_attention_mask = record
+        setattr(module, "create_attention_mask", record)
     # A family whose inner model takes its cache positionally is called with none.
     params = inspect.signature(inner.__call__).parameters
     cache = {"cache": None} if "cache" in params and \
@@ -268,7 +269,7 @@ def _observe(inner, ids) -> _Observed:
     finally:
         inner.layers = layers
         if saved_mask is not None:
-            module.create_attention_mask = saved_mask
+            setattr(module, "create_attention_mask", saved_mask)
     if len(log) != len(layers) or any(t._layer is not l for (t, _, _), l in zip(log, layers)):
         raise _CutError("its forward does not call each layer once, in order")
     masks, keys, prev = [], [], None
@@ -345,6 +346,7 @@ def _rowwise_layers(parts: ModelParts) -> list[bool]:
     K/V from another layer, no per-layer inputs, and the same output and gradients
     cut as whole under each mask kind the step gives it; checked once per layer class."""
     from .attention import BlockMask
+    assert parts.block_masks is not None   # model_parts sets them just before
     from .rows import rowwise
 
     h0 = parts.embed(mx.array([[1]]))
@@ -471,7 +473,7 @@ def forward_parts(parts: ModelParts, ids: mx.array) -> mx.array:
     h = parts.embed(ids)
     extras = parts.layer_inputs(ids, h)
     needed = {d for d in parts.donors if d is not None}
-    kv_of = {}
+    kv_of: dict = {}
     for i, mask in enumerate(parts.masks(h)):
         d = parts.donors[i]
         h, kv = parts.call(i, h, mask, extras[i], kv_of[d] if d is not None else None)
@@ -493,8 +495,8 @@ def _check_parts(model, parts: ModelParts, name: str, mtype: str, length: int,
     try:
         ours = forward_parts(parts, ids).astype(mx.float32)
         ref = model(ids).astype(mx.float32)
-        err = mx.max(mx.abs(ours - ref)).item()
-        size = mx.max(mx.abs(ref)).item()
+        err = float(mx.max(mx.abs(ours - ref)))
+        size = float(mx.max(mx.abs(ref)))
     except Exception as e:
         raise ModelError(f"{name}: architecture {mtype} cannot be cut into "
                          f"segments ({type(e).__name__}: {e})") from None

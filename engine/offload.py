@@ -123,6 +123,7 @@ class Boundaries:
         self._entries.append((offset, tuple(h.shape), h.dtype))
         # copied from the device only where data is MLX's own buffer, not a numpy copy
         staged = self._copies is not None and data is view
+        assert self._io is not None
         self._writing = self._io.submit(self._write, offset, data, h, staged)
         self.seconds["append"] += time.perf_counter() - t
 
@@ -154,13 +155,14 @@ class Boundaries:
             self.seconds[key] += time.perf_counter() - t
 
     def _write(self, offset: int, data: np.ndarray, h: mx.array, staged: bool) -> None:
+        assert self._file is not None
         fd = self._file.fileno()
         try:
             # write() rather than writing into an mmap: a full disk is then an
             # ENOSPC we can report, not a SIGBUS. Scratch data: never fsync'd.
             os.lseek(fd, offset, os.SEEK_SET)
             if not (staged and self._write_staged(fd, offset, data)):
-                _write_all(fd, memoryview(data).cast("B"))
+                _write_all(fd, data.data.cast("B"))
         except OSError as e:
             try:  # give back what part of it was written
                 os.ftruncate(fd, offset)
@@ -185,10 +187,11 @@ class Boundaries:
         src, n = data.ctypes.data, data.nbytes
         for start in range(0, n, stage.size):
             piece = stage[:min(stage.size, n - start)]
+            assert self._copies is not None
             if not self._copies.copy_out(piece, src + start):
                 os.lseek(fd, offset, os.SEEK_SET)
                 return False
-            _write_all(fd, memoryview(piece))
+            _write_all(fd, piece.data)
         return True
 
     def _read_staged(self, offset: int, h: mx.array, dst: int) -> bool:
@@ -200,7 +203,8 @@ class Boundaries:
         n = h.nbytes
         for start in range(0, n, stage.size):
             piece = stage[:min(stage.size, n - start)]
-            self._read_into(memoryview(piece), offset + start)
+            self._read_into(piece.data, offset + start)
+            assert self._copies is not None
             if not self._copies.copy_in(dst + start, piece):
                 return False
         return True
@@ -208,6 +212,7 @@ class Boundaries:
     def _stage(self) -> np.ndarray | None:
         """The I/O thread's page-locked buffer (None if the driver refused one)."""
         if self._staging is None:
+            assert self._copies is not None
             self._staging = self._copies.pinned(_PIECE)
         return self._staging
 
@@ -231,6 +236,8 @@ class Boundaries:
         # Disk use falls as the backward walks back through the segments. On the I/O
         # thread too, after the read ahead: cutting a file waits for the kernel to
         # finish writing back the pages it drops.
+        assert self._io is not None
+        assert self._file is not None
         self._io.submit(os.ftruncate, self._file.fileno(), offset)
         h = _to_mx(u, shape, dtype)
         self.seconds["pop"] += time.perf_counter() - t
@@ -256,6 +263,7 @@ class Boundaries:
             raw = np.array(h.view(_UNSIGNED[dtype.size][0]), copy=False)
             if raw.flags.c_contiguous and raw.nbytes == h.nbytes:   # a buffer of its own
                 into = (h, raw.ctypes.data)
+        assert self._io is not None
         return self._io.submit(self._load, entry, into)
 
     def _load(self, entry, into=None) -> np.ndarray | mx.array:
@@ -267,10 +275,11 @@ class Boundaries:
             del into   # the driver refused: read it into host memory instead
         offset, shape, dtype = entry
         u = np.empty(int(np.prod(shape)), dtype=_UNSIGNED[dtype.size][1])
-        self._read_into(memoryview(u).cast("B"), offset)
+        self._read_into(u.data.cast("B"), offset)
         return u
 
     def _read_into(self, view: memoryview, offset: int) -> None:
+        assert self._file is not None
         fd = self._file.fileno()
         os.lseek(fd, offset, os.SEEK_SET)
         done = 0
@@ -294,6 +303,7 @@ class Boundaries:
             self._io.shutdown(wait=True, cancel_futures=True)
             self._io = None
         if self._staging is not None:
+            assert self._copies is not None
             self._copies.unpin(self._staging)
             self._staging = None
         self._writing = self._ahead = None
@@ -377,6 +387,7 @@ class _DeviceCopies:
             self._bind()
             return self._lib.cuMemAllocHost_v2(ctypes.byref(ptr), n)
         if self._guard("cuMemAllocHost", alloc):
+            assert ptr.value is not None   # the driver said it allocated
             return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr.value))
         return None
 

@@ -37,6 +37,6 @@ def apply_grads(model, optimizer, grads: dict, grad_clip: float | None = 1.0):
     if grad_clip:
         tree, norm = optim.clip_grad_norm(tree, grad_clip)
     else:
-        norm = mx.sqrt(sum(mx.sum(g.astype(mx.float32) ** 2) for g in grads.values()))
+        norm = mx.sqrt(sum((mx.sum(g.astype(mx.float32) ** 2) for g in grads.values()), mx.array(0.0)))
     optimizer.update(model, tree)
     return norm

@@ -38,7 +38,7 @@ import math
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,6 +47,7 @@ from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
+from segctl.schemas.errors import UserError
 
 from . import rows
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
@@ -58,7 +59,7 @@ from .offload import Boundaries
 PhaseHook = Callable[[str], None]
 
 
-class StepError(ValueError):
+class StepError(UserError, ValueError):
     """An example the loss cannot be computed on (e.g. no supervised tokens)."""
 
 
@@ -114,7 +115,8 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
                        reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
                                          attn_block=attn_block, mlp_chunk=mlp_chunk,
                                          on_phase=on_phase))
-    loss, grads, reports, offload_s = None, None, [], {}
+    loss, grads, reports = None, None, []
+    offload_s: dict = {}
     for plan in plans:
         if segment_size == 0:
             part, got, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
@@ -150,13 +152,13 @@ def eval_loss(model: nn.Module, example, *, method: str = "sft", head_chunk: int
                      nll_scope=nll_scope, beta=beta,
                      reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
                                        attn_block=attn_block, mlp_chunk=mlp_chunk))
-    return plan.loss(_nograd_sums(parts, plan.streams, head_chunk, attn_block,
-                                  mlp_chunk)).item(), plan.weight
+    return float(plan.loss(_nograd_sums(parts, plan.streams, head_chunk, attn_block,
+                                        mlp_chunk))), plan.weight
 
 
 def _nograd_sums(parts, streams, head_chunk, attn_block=0, mlp_chunk=0) -> mx.array:
     """The sums of `streams` from a forward without gradients, in the step's pieces."""
-    sums = 0
+    sums: Any = 0
     for stream in streams:
         rows = attn_block if 0 < attn_block < len(stream.ids) else 0
         chunk = _pieces(mlp_chunk, stream)
@@ -193,7 +195,7 @@ class Stream:
     targets: list[int]                  # the token each row predicts
     member: mx.array                    # [rows, sums]: 1.0 where a row counts toward a sum
     runs: list | None = None            # RoPE runs [(first, end, position of first)]
-    block: tuple | None = None          # prefix-shared: (prompt length, first rejected row)
+    block: tuple[int, int] | None = None   # prefix-shared: (prompt length, first rejected row)
     # packed: (start, end, prompt, split) of each row in it (attention.BlockMask.units)
     units: tuple = ()
     contiguous: bool = field(init=False)
@@ -302,7 +304,8 @@ def _packed(streams: list[Stream]) -> Stream:
     """One stream of several rows' streams side by side: their rows attend only to
     themselves (`units`), positions restart at each (`runs`), each keeps its own
     sums (the member matrix is block-diagonal)."""
-    ids, rows, targets, runs, units, members = [], [], [], [], [], []
+    ids: list = []
+    rows, targets, runs, units, members = [], [], [], [], []
     width = sum(s.member.shape[1] for s in streams)
     col = 0
     for s in streams:
@@ -493,7 +496,7 @@ def _pack_refusal(parts: ModelParts) -> str | None:
         packed = _packed(alone)
         got = _nograd_sums(parts, [packed], DEFAULT_HEAD_CHUNK)
         want = mx.concatenate([_nograd_sums(parts, [s], DEFAULT_HEAD_CHUNK) for s in alone])
-        err, size = mx.max(mx.abs(got - want)).item(), mx.max(mx.abs(want)).item()
+        err, size = float(mx.max(mx.abs(got - want))), float(mx.max(mx.abs(want)))
     except Exception as e:  # a family whose attention refuses the packed mask
         return f"its forward does not take a packed mask ({type(e).__name__}: {e})"
     half = parts.embed(mx.array([[1]])).dtype in (mx.float16, mx.bfloat16)

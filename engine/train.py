@@ -16,13 +16,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from segctl.schemas import events as ev
 from segctl.schemas.atomic import fsync_dir, write_atomic
+from segctl.schemas.errors import UserError
 from segctl.schemas.job import JobSpec
 
 from .data import DataError, Dataset, epoch_order, load_dataset_cached
@@ -44,7 +45,7 @@ class OOMError(RuntimeError):
         self.peak_gb = peak_gb   # the peak that crossed it
 
 
-class OutputError(ValueError):
+class OutputError(UserError, ValueError):
     """The output folder cannot be used as asked."""
 
 
@@ -67,9 +68,9 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     # --- inputs, all checked before the first byte is written
     model, tokenizer = load_model(job.model)
     d = job.data
-    opts = dict(method=job.method, mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length,
+    opts: dict[str, Any] = dict(method=job.method, mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length,
                 overlong=d.overlong)
-    cached = dict(model_dir=job.model, cache=data_cache)
+    cached: dict[str, Any] = dict(model_dir=job.model, cache=data_cache)
     train_set = load_dataset_cached(d.train, tokenizer, **cached, **opts)
     valid_set = load_dataset_cached(d.valid, tokenizer, **cached, **opts) if d.valid else None
     mx.random.seed(job.train.seed)
@@ -80,7 +81,11 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     per_step = job.train.rows_per_step
     pack, pack_reason = packing(job, parts)
     pack_kw = dict(pack=pack, pack_length=pack_length(job), micro=job.train.batch_size)
-    total = job.train.iters or job.train.epochs * -(-len(train_set) // per_step)
+    if job.train.iters:
+        total = job.train.iters
+    else:
+        assert job.train.epochs is not None   # TrainSpec asks for iters or epochs
+        total = job.train.epochs * -(-len(train_set) // per_step)
     lr = schedule(job.train.learning_rate, job.train.schedule, warmup=job.train.warmup, total=total)
     optimizer = make_optimizer(lr, job.train.weight_decay)
     start_step, best = 0, BestSoFar()
@@ -124,7 +129,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                           offload=scratch,
                           grad_checkpoint=job.memory.grad_checkpoint,
                           grad_clip=job.train.grad_clip, method=method, pack=pack_kw)
-        loss = m.loss.item()
+        loss = float(m.loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
         tokens = supervised_tokens(batch)
@@ -332,7 +337,7 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
     tic = time.perf_counter()
     rows = valid.examples if job.train.val_batches < 0 else valid.examples[:job.train.val_batches]
     model.eval()
-    total = tokens = 0
+    total, tokens = 0.0, 0
     method = method_options(job)
     for ex in rows:
         loss, n = eval_loss(model, ex, head_chunk=job.memory.head_chunk,
@@ -408,8 +413,11 @@ def load_checkpoint(path: Path, model, optimizer, rows_per_step: int = 1) -> tup
         raise OutputError(f"{path}: checkpoint of {theirs} row(s) a step, the job trains "
                           f"{rows_per_step} (train.batch_size x grad_accumulation): resume with "
                           "the batch it was made with, or start a new output")
-    model.load_weights(list(mx.load(str(path / ADAPTER)).items()), strict=False)
+    adapters = mx.load(str(path / ADAPTER))
+    assert isinstance(adapters, dict)   # a safetensors file: name -> array
+    model.load_weights(list(adapters.items()), strict=False)
     state = mx.load(str(path / "optimizer.safetensors"))
+    assert isinstance(state, dict)
     optimizer.state = tree_unflatten(list(state.items()))
     mx.eval(model.parameters(), optimizer.state)
     return int(saved["step"]), BestSoFar.from_state(saved)

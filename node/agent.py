@@ -40,7 +40,7 @@ class NodeAgent:
     def __init__(self, name: str, head):
         self.name = name
         self.head = head
-        self.running: dict[int, Running] = {}
+        self.running: dict[int | str, Running] = {}   # an attempt, or "tune:NAME"
         self.lock = threading.Lock()
         abandoned(work_root(name))   # no attempt of this node runs before its agent does
 

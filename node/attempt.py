@@ -104,7 +104,8 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     proc, stderr, drain = started
     on_started(proc.pid, time.time())
 
-    seq, batch, last_flush = 0, [], time.monotonic()
+    batch: list = []
+    seq, last_flush = 0, time.monotonic()
     end = err = None
     peak = 0.0
     steps = 0
@@ -234,7 +235,9 @@ def start_worker(args: list[str], cwd: Path, running: Running, python: str):
         running.proc = proc
     spares.refill(python)
     stderr: list[str] = []
-    drain = threading.Thread(target=lambda: stderr.extend(proc.stderr.read().decode(
+    pipe = proc.stderr
+    assert pipe is not None   # opened with a pipe
+    drain = threading.Thread(target=lambda: stderr.extend(pipe.read().decode(
         "utf-8", "replace").splitlines()[-20:]), daemon=True)
     drain.start()
     return proc, stderr, drain
@@ -284,6 +287,7 @@ class Spares:
                 _, proc = self.waiting.pop(found)
             try:   # a spare that died since (killed, out of memory) is skipped
                 if proc.poll() is None:
+                    assert proc.stdin is not None   # a spare is opened with a pipe
                     proc.stdin.write((json.dumps({"args": args, "cwd": str(cwd)}) + "\n").encode())
                     proc.stdin.flush()
                     return proc
@@ -313,6 +317,7 @@ def _key(python: str) -> tuple:
 
 def _reap(proc: subprocess.Popen) -> None:
     try:
+        assert proc.stdin is not None
         proc.stdin.close()      # end-of-file: a waiting spare exits by itself
         proc.wait(timeout=5)
     except Exception:

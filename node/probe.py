@@ -82,7 +82,9 @@ def _mac_ip(run) -> str | None:
 
 def _probe_linux() -> Hardware:
     meminfo = Path("/proc/meminfo").read_text()
-    kb = int(re.search(r"^MemTotal:\s+(\d+)", meminfo, re.M).group(1))
+    total = re.search(r"^MemTotal:\s+(\d+)", meminfo, re.M)
+    assert total is not None   # every Linux kernel's meminfo has it
+    kb = int(total.group(1))
     model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     # ARM Linux often has no "model name"; the machine type is the best we have then
     chip = chip_name(model.group(1)) if model else os.uname().machine

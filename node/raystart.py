@@ -11,7 +11,7 @@ are separate and unaffected.
 
 import sys
 
-sys.modules["grpc"] = None   # `import grpc` now fails here, as where it is not installed
+sys.modules["grpc"] = None   # type: ignore[assignment]  # `import grpc` now fails here, as where it is not installed
 
 from ray.scripts.scripts import main  # noqa: E402
 

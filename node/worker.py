@@ -33,9 +33,10 @@ def _exit_when_parent_goes() -> None:
 
 def main(argv: list[str]) -> int:
     if argv == ["--spare"]:
-        argv = _wait_as_spare()
-        if argv is None:
+        spare = _wait_as_spare()
+        if spare is None:
             return 0
+        argv = spare
     _exit_when_parent_goes()
     from segctl.engine import telemetry
     from segctl.engine.train import run_reported

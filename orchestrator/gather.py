@@ -28,7 +28,9 @@ import tempfile
 from pathlib import Path
 
 from segctl.schemas.atomic import fsync_dir
+from segctl.schemas.errors import UserError
 from segctl.schemas.limits import load_json
+from segctl.schemas.names import EXIT_INTERNAL
 from segctl.schemas.states import TrialState
 
 from .stores import ADAPTER_KINDS, Stores, _safe
@@ -37,9 +39,11 @@ ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class Mismatch(Exception):
+class Mismatch(UserError):
     """An adapter's bytes are not what its node sent: the stores (or a gathered
     folder) are damaged. Not bad input: the CLI exits 1 with this one line."""
+
+    exit_code = EXIT_INTERNAL
 
 
 def gather(stores: Stores, trials: list[dict], out: Path, best: int | None = None,

@@ -69,7 +69,8 @@ def eligible(nodes: Mapping[str, NodeInfo], placement: dict, excluded,
     most trials share both, and a fleet has hundreds of nodes of a few classes."""
     key = (json.dumps(placement, sort_keys=True), frozenset(excluded))
     if key not in cache:
-        names, classes = set(), {}
+        names: set = set()
+        classes: dict = {}
         for n in nodes.values():
             if n.matches(placement) and n.name not in excluded:
                 names.add(n.name)

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Optional
 from pydantic import ValidationError
 
 from segctl.schemas.cluster import PlannerSpec
+from segctl.schemas.errors import UserError
 from segctl.schemas.limits import one_line
 from segctl.schemas.private import private_dir, private_file
 from segctl.schemas.states import (
@@ -132,7 +133,7 @@ class TransitionError(RuntimeError):
     """A move the state machine does not allow: a controller bug, never user input."""
 
 
-class StoreError(RuntimeError):
+class StoreError(UserError, RuntimeError):
     """A store's file cannot be used (corrupt, locked, another program's, a newer
     segctl's): one line naming the file and what to do."""
 

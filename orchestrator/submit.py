@@ -68,7 +68,7 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None,
 
     from . import measured
     fitted: dict[str, dict] = {}
-    classes = {}
+    classes: dict = {}
     for n in nodes:
         classes.setdefault(n.node_class, n)
     knobs = payload["spec"].get("planner") or {}

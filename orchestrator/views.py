@@ -37,7 +37,7 @@ def _num(x, fmt):
 def trials_table(sweep: dict) -> "TrialsTable":
     """A sweep's title line and one line per trial in aligned columns; the last
     column (params, or the trial's message) wraps under itself."""
-    counts = {}
+    counts: dict = {}
     for t in sweep["trials"]:
         counts[t["state"]] = counts.get(t["state"], 0) + 1
     summary = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items()))
@@ -130,7 +130,7 @@ def watch_view(sweeps: list[dict]) -> Group:
     """One frame of `segctl status --watch`: per sweep (orchestrator/report.progress)
     its trials with a step bar and the time left, and the sweep's totals."""
     from rich.progress_bar import ProgressBar
-    parts = []
+    parts: list = []
     for sw in sweeps:
         tot = sw["totals"]
         counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(tot["states"].items()))

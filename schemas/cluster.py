@@ -116,6 +116,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         # in file order, whichever check found them
         in_order = sorted(problems, key=lambda p: int(p.removeprefix(f"{path}:").split(":")[0]))
         raise SpecError(first_problems(path, in_order))
+    assert spec is not None   # else pydantic's problems were raised above
     stores = Path(os.path.expanduser(spec.head.stores))
     stores = (path.resolve().parent / stores).resolve()
     return spec.model_copy(update={"head": spec.head.model_copy(update={"stores": str(stores)})})
@@ -130,7 +131,8 @@ def _cross_checks(path: Path, data: dict, root) -> list[str]:
         return [f"{path}:{line}: nodes: a cluster needs at least one node"]
     if not isinstance(nodes, list):
         return []  # pydantic said so
-    problems, seen = [], {}
+    problems: list[str] = []
+    seen: dict[str, int] = {}
     for i, node in enumerate(nodes):
         if not isinstance(node, dict):
             continue

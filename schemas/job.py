@@ -33,11 +33,8 @@ from .limits import (
     NAME_PATTERN,
     check_path,
 )
-from .names import DEMO_ARCHS, METHODS  # noqa: F401 (re-exported)
+from .names import DEMO_ARCHS, METHODS, Method  # noqa: F401 (re-exported)
 from .yamlspec import did_you_mean, load_yaml, validate
-
-Method = Literal[METHODS]
-
 
 # A path a spec names: bounded in length, no control characters.
 PathStr = Annotated[str, AfterValidator(check_path)]
@@ -322,7 +319,8 @@ class JobSpec(Strict):
     @property
     def prefix_shared(self) -> bool:
         """The preference method's prefix_shared (ORPO's or DPO's); sft has one stream."""
-        return {"orpo": self.orpo, "dpo": self.dpo}.get(self.method, self.orpo).prefix_shared
+        pref: OrpoSpec | DpoSpec = self.dpo if self.method == "dpo" else self.orpo
+        return pref.prefix_shared
 
     @model_validator(mode="after")
     def _modes(self):

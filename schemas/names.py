@@ -4,7 +4,10 @@ codes. schemas/job.py and schemas/events.py re-export them."""
 
 from __future__ import annotations
 
-METHODS = ("sft", "orpo", "dpo")
+from typing import Literal, get_args
+
+Method = Literal["sft", "orpo", "dpo"]
+METHODS: tuple[str, ...] = get_args(Method)
 
 # Architectures `segctl init-demo` can write (engine/demo.py builds each).
 DEMO_ARCHS = ("llama", "qwen3", "minicpm", "gemma", "gemma2", "gemma3_text", "gemma4_text",

@@ -18,7 +18,7 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, NamedTuple, Optional
+from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -110,6 +110,7 @@ class Distribution(Strict):
             return math.exp(rng.uniform(math.log(lo), math.log(hi)))
         if self.uniform is not None:
             return rng.uniform(*self.uniform)
+        assert self.choice is not None   # the validator asks for one of the three
         return rng.choice(self.choice)
 
 
@@ -268,11 +269,11 @@ def _validate(path: Path, data, root) -> Sweep:
         raise SpecError([not_a_mapping(path, data)])
     problems = _Problems()
     try:
-        spec = SweepSpec.model_validate(data)
+        spec: SweepSpec | None = SweepSpec.model_validate(data)
     except ValidationError as e:
         for err in e.errors():
             problems.add_later(path, problem_line(root, err),
-                               lambda err=err: problem(path, SweepSpec, root, err))
+                               functools.partial(problem, path, SweepSpec, root, err))
         spec = _salvage(data, e.errors())
     given = {k for k, v in data.items() if v is not None}
     base = _base_job(spec, path, root, problems, given) if spec else None
@@ -295,7 +296,8 @@ def _validate(path: Path, data, root) -> Sweep:
     points = _grid_points(spec, path, root, problems)
     draws = _random_draws(spec, path, root, problems)
 
-    trials, cross, checked, weight = [], [], 0, 0
+    cross: list[Any] = []
+    trials, checked, weight = [], 0, 0
     for index, (point, draw) in enumerate(itertools.product(points, draws)):
         if len(problems.lines) > MAX_PROBLEMS:   # more than are shown: the rest would repeat them
             problems.stopped = f" (checking stopped at trial t{index:03d} of {count})"
@@ -365,7 +367,9 @@ def check_expanded(spec: dict, trials: list) -> Sweep:
         for trial in out:
             _check_scheduler(sweep.scheduler, trial, Path("-"), None, problems)
         if problems.lines:
-            raise ValueError(_unplaced(problems.lines[0]))
+            first = problems.lines[0]
+            assert isinstance(first, str)   # _check_scheduler adds lines, not _Later ones
+            raise ValueError(_unplaced(first))
     return Sweep(spec=sweep, path="-", trials=out)
 
 
@@ -428,7 +432,7 @@ class _Problems:
             self.add(line)
 
 
-def _salvage(data: dict, errors: list[dict]) -> SweepSpec | None:
+def _salvage(data: dict, errors: Sequence[Mapping[str, Any]]) -> SweepSpec | None:
     """The sweep without its bad parts (a grid key, a random parameter, else the
     whole top-level key), so the base job and the trials are checked too and
     every problem comes out in one go."""
@@ -499,14 +503,15 @@ def _oversized(spec: SweepSpec, base: Base, path: Path, root, count: int) -> str
     """Why the trials' jobs would be too large, or None: estimated before any is
     built, as the base job as written plus the largest value of each varied key
     (an 880 KB sweep made 2.2 MB trials, 22 GB in all)."""
-    varied = {("grid", key): max(map(json_bytes, values)) for key, values in spec.grid.items()}
+    varied: dict[tuple[str, ...], int] = {
+        ("grid", key): max(map(json_bytes, values)) for key, values in spec.grid.items()}
     for key, dist in (spec.random.params.items() if spec.random else ()):
         # a drawn float is at most 24 characters
         varied[("random", "params", key)] = max(map(json_bytes, dist.choice)) if dist.choice else 24
     own = json_bytes(base.data) + json_bytes([t.model_dump(mode="json") for t in spec.report_to or []])
     each = own + sum(varied.values())
     if each > MAX_JOB_BYTES:
-        loc = max(varied, key=varied.get, default=None)
+        loc = max(varied, key=lambda k: varied[k], default=None)
         where = (f"{path}:{line_of(root, loc)}: {'.'.join(loc)}" if loc and varied[loc] > own
                  else _base_where(base, path, root))
         return (f"{where}: a trial's job would be about {each} bytes as JSON, more than "
@@ -651,7 +656,7 @@ def _report_cross(cross: list, trials: int, base: Base, problems: _Problems) -> 
         _report_varied(o, _message(err), value, trial, problems)
 
 
-def _message(err: dict) -> str:
+def _message(err: Mapping[str, Any]) -> str:
     return err["msg"].removeprefix("Value error, ")
 
 
@@ -684,7 +689,7 @@ def _check_scheduler(sch: SchedulerSpec, trial: TrialSpec, path: Path, root,
                      f"{trial.name} has {have}", dedupe=("max_steps",))
 
 
-def _get_dotted(d: dict, key: str):
+def _get_dotted(d: Any, key: str):
     for part in key.split("."):
         if not isinstance(d, dict):
             return None

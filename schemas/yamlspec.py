@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -118,7 +118,7 @@ def not_a_mapping(path, data) -> str:
                     f"{type(data).__name__ if data is not None else 'an empty file'}")
 
 
-def _problem(path: Path, model: type[BaseModel], node, err: dict, prefix: str = "") -> str:
+def _problem(path: Path, model: type[BaseModel], node, err: Mapping[str, Any], prefix: str = "") -> str:
     loc = _user_loc(node, err["loc"])
     key = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "(top)"
     line = problem_line(node, err)
@@ -134,7 +134,7 @@ def _problem(path: Path, model: type[BaseModel], node, err: dict, prefix: str = 
     return f"{path}:{line}: {key}: {msg}"
 
 
-def problem_line(node, err: dict) -> int:
+def problem_line(node, err: Mapping[str, Any]) -> int:
     """The line `problem` gives a pydantic error (without making its message): a
     missing key's at its mapping, any other at the key the user wrote."""
     loc = _user_loc(node, err["loc"])
@@ -159,7 +159,7 @@ def _is_union_tag(p) -> bool:
     return isinstance(p, str) and (p in ("int", "float", "str", "bool", "none") or "[" in p)
 
 
-def problem(path: str | Path, model: type[BaseModel], node, err: dict, prefix: str = "") -> str:
+def problem(path: str | Path, model: type[BaseModel], node, err: Mapping[str, Any], prefix: str = "") -> str:
     """One pydantic error of `model` (validated from the YAML under `node`) as
     `file:line: key: message`; `prefix` goes before the key (e.g. "job." for a
     model that sits under that key of the file)."""

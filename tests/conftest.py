@@ -25,51 +25,10 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 # specs and CLI errors (test_spec, test_hostile in-process, test_fuzz_specs,
 # test_train_cli's bad inputs), the stores (test_stores), the head's decisions
 # (test_head_isolation, test_controller), a CLI run whose adapter mlx-lm loads
-# (test_qlora, test_stores). `make test` runs everything.
-FLEET_MODULES = {"test_fleet.py", "test_fleet_e2e.py", "test_tune_fleet.py", "test_embedded.py",
-                 "test_asha_fleet.py", "test_scale.py"}
-SLOW_MODULES = {"test_families.py",
-                "test_report.py"}   # one real 4-trial sweep (6 engine processes), ~35 s
-SLOW_TESTS = {   # module::test (every parameter of it), with its time on 2 idle cores
-    "test_long.py::test_mlp_chunks_bound_the_layer_and_offload_the_boundaries",   # 13 s
-    "test_long.py::test_layers_run_rows_apart_hold_less_and_step_the_same",     # 10 s
-    "test_train_cli.py::test_demo_trains_and_adapter_loads_in_mlx_lm",            # 8 s
-    "test_orpo.py::test_segctl_trains_the_orpo_demo",                             # 7 s
-    "test_hygiene.py::test_attempt_folders_do_not_pile_up_on_a_node",             # 6 s
-    "test_orpo.py::test_prefix_shared_peak_is_below_two_branch",                  # 4 s
-    "test_hostile.py::test_refused_by_the_real_process",   # 3 s; the same cases run in-process
-    "test_bench_suite.py::test_the_mac_plan_runs_end_to_end_at_a_tiny_size",   # 6 processes, 40 s
-    # end-to-end runs of a whole job through the CLI or a fresh process, 4-9 s each;
-    # the fast lane keeps the unit tests of the same parts
-    "test_stores.py::test_a_crash_during_seal_leaves_nothing_half_written",     # 9 s
-    "test_train_cli.py::test_resume_after_kill_equals_uninterrupted",           # 7 s
-    "test_train_cli.py::test_bad_model_folders",                                # 6 s
-    "test_train_cli.py::test_memory_guard_stops_with_oom_and_keeps_checkpoint", # 4 s
-    "test_best.py::test_the_head_stores_the_best_and_gather_exports_it",        # 6 s
-    "test_best.py::test_early_stop_ends_the_run_and_the_best_evals_adapter_is_kept",  # 5 s
-    "test_qlora.py::test_qlora_job_trains_and_the_adapter_loads_in_mlx_lm",     # 6 s
-    "test_dpo.py::test_segctl_trains_a_dpo_job",                                # 5 s
-    "test_memory.py::test_segment_size_one_peaks_below_plain_and_checkpoint",   # 4 s
-    "test_gemma4_model.py::test_init_demo_gemma4_orpo",                         # 3 s
-    "test_trackers.py::test_a_sweep_streams_one_run_per_trial_grouped_per_sweep",  # 2 engine runs
-    "test_no_phone_home.py::test_segctl_train_with_every_tracker_stays_on_this_machine",  # 5 s
-    "test_no_phone_home.py::test_the_probes_see_mlflow_telemetry_when_the_user_opts_in",  # 5 s
-}
-# Tests that use these fixtures (test_measured's `probed`: the demo probed at every
-# grid point in fresh processes, 7 s) are slow with them.
-SLOW_FIXTURES = {"probed",
-                 "tracked"}   # test_trackers: one `segctl train` streaming to the trackers
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        path = Path(str(item.fspath))
-        name = f"{path.name}::{getattr(item, 'originalname', None) or item.name}"
-        if path.name in FLEET_MODULES or "lab" in path.parent.parts[-1:]:
-            item.add_marker(pytest.mark.fleet)
-        elif (path.name in SLOW_MODULES or name in SLOW_TESTS
-              or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))):
-            item.add_marker(pytest.mark.slow)
+# (test_qlora, test_stores). `make test` runs everything. The lanes are marks on
+# the tests: `pytestmark = pytest.mark.fleet` (or `slow`) in a module, else
+# `@pytest.mark.slow` on a test with its time on 2 idle cores beside it
+# (tests/test_lanes.py checks that what starts Ray or a lab is marked `fleet`).
 
 
 def cli_env() -> dict:

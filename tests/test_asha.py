@@ -17,6 +17,7 @@ from segctl.orchestrator.head import Controller
 from segctl.orchestrator.views import console, trials_table
 from segctl.schemas.errors import SpecError
 from segctl.schemas.records import AttemptResult, AttemptSpec
+from segctl.schemas.states import Outcome, SweepState, TrialState
 from segctl.schemas.sweep import SchedulerSpec, load_sweep
 from tests.conftest import assert_one_line_error, segctl
 from tests.test_controller import live, payload, reasons, sweep_of  # noqa: F401 (fixture)
@@ -133,7 +134,7 @@ def test_asha_stops_the_bottom_trials_and_a_freed_node_takes_a_pending_one(tmp_p
     report(c, on(world, c, t1), 4, 2.0, seq=1)   # worse, but only 2 values (< reduction): on
     report(c, on(world, c, t1), 8, 9.0, seq=2)   # not a rung: nothing recorded
     assert c.state.rung_values(sid, 4) == {t0: 1.0, t1: 2.0}
-    assert set(trials(c, sid).values()) == {"PLACED", "PENDING"} and not cancels(world)
+    assert set(trials(c, sid).values()) == {TrialState.PLACED, TrialState.PENDING} and not cancels(world)
 
     end(world, on(world, c, t0), "failed", message="bad row")   # frees a for t2
     world.turns(c, 1)
@@ -141,7 +142,7 @@ def test_asha_stops_the_bottom_trials_and_a_freed_node_takes_a_pending_one(tmp_p
     report(c, s2, 4, 3.0, seq=1)   # [1, 2, 3]: cutoff 1.667, 3.0 is below the top third
     why = "asha: val_loss 3 at rung 1 (step 4) below the top 1/3 of 3 (cutoff 1.667)"
     t = c.state.trial(t2)
-    assert t["state"] == "STOPPED" and t["message"] == why and reasons(c, t2)[-1] == why
+    assert t["state"] == TrialState.STOPPED and t["message"] == why and reasons(c, t2)[-1] == why
     assert cancels(world) == [s2.attempt]   # its running attempt is told to end
     report(c, s2, 4, 3.0, seq=1)   # the same batch again: decided once
     assert cancels(world) == [s2.attempt]
@@ -150,15 +151,15 @@ def test_asha_stops_the_bottom_trials_and_a_freed_node_takes_a_pending_one(tmp_p
     world.turns(c, 1)
     s3 = on(world, c, t3)
     assert c.state.attempt(s3.attempt)["node"] == "a"
-    assert [a["outcome"] for a in c.state.attempts(t2)] == ["cancelled"]   # no retry
-    assert trials(c, sid)[t2] == "STOPPED"
+    assert [a["outcome"] for a in c.state.attempts(t2)] == [Outcome.CANCELLED]   # no retry
+    assert trials(c, sid)[t2] == TrialState.STOPPED
     assert c.state.rungs(sid)[-1] | {"time": None} == dict(
         sweep=sid, rung=4, trial=t2, value=3.0, time=None, attempt=s2.attempt, stopped=1,
         reason=why)
 
     # status shows the stopped trial with its reason
     [shown] = [x for x in c.state.status(sid)[0]["trials"] if x["trial"] == t2]
-    assert shown["state"] == "STOPPED" and shown["message"] == why
+    assert shown["state"] == TrialState.STOPPED and shown["message"] == why
     out = console()
     with out.capture() as cap:
         out.print(trials_table(c.state.status(sid)[0]))
@@ -174,7 +175,7 @@ def test_rung_records_survive_a_head_restart_and_decide_later_evals(tmp_path, pa
     report(c, on(world, c, t0), 4, 1.0, seq=1)
     report(c, on(world, c, t1), 4, 2.0, seq=1)
     report(c, on(world, c, t2), 4, 1.5, seq=1)   # [1, 1.5, 2]: cutoff 1.333; 1.5 stops
-    assert trials(c, sid)[t2] == "STOPPED"
+    assert trials(c, sid)[t2] == TrialState.STOPPED
     report(c, on(world, c, t0), 12, 0.5, seq=2)   # first at rung 12: goes on
     del c   # the head goes away under its running attempts
 
@@ -182,29 +183,31 @@ def test_rung_records_survive_a_head_restart_and_decide_later_evals(tmp_path, pa
     c2 = world2.controller(tmp_path)
     assert c2.state.rung_values(sid, 4) == {t0: 1.0, t1: 2.0, t2: 1.5}
     assert c2.state.rung_values(sid, 12) == {t0: 0.5}
-    assert trials(c2, sid) == {t0: "PENDING", t1: "PENDING", t2: "STOPPED", t3: "PENDING"}
+    assert trials(c2, sid) == {t0: TrialState.PENDING, t1: TrialState.PENDING,
+                               t2: TrialState.STOPPED, t3: TrialState.PENDING}
     c2.resume(sid)
     world2.turns(c2, 2)
     assert {r.args[0].trial for r in live(world2)} == {t0, t1, t3}   # not the stopped one
     # t1 resumed reports its rung again: decided before the restart, not again
     report(c2, on(world2, c2, t1), 4, 9.0, seq=1)
-    assert c2.state.rung_values(sid, 4)[t1] == 2.0 and trials(c2, sid)[t1] == "PLACED"
+    assert c2.state.rung_values(sid, 4)[t1] == 2.0 and trials(c2, sid)[t1] == TrialState.PLACED
     # t3's first eval is judged against what the old head recorded: [1, 1.5, 2, 1.9],
     # cutoff 1.5 (alone at the rung it would go on)
     report(c2, on(world2, c2, t3), 4, 1.9, seq=1)
     t = c2.state.trial(t3)
-    assert t["state"] == "STOPPED" and t["message"] == (
+    assert t["state"] == TrialState.STOPPED and t["message"] == (
         "asha: val_loss 1.9 at rung 1 (step 4) below the top 1/3 of 4 (cutoff 1.5)")
     # a trial at the top goes on; the sweep is done once the rest end
     report(c2, on(world2, c2, t0), 4, 0.1, seq=1)   # re-delivered, ignored
-    assert trials(c2, sid)[t0] == "PLACED"
+    assert trials(c2, sid)[t0] == TrialState.PLACED
     end(world2, on(world2, c2, t3), "cancelled")
     end(world2, on(world2, c2, t1), "failed", message="bad row")
     end(world2, on(world2, c2, t0), "failed", message="bad row")
     world2.turns(c2, 2)
     assert not live(world2)
-    assert trials(c2, sid) == {t0: "FAILED", t1: "FAILED", t2: "STOPPED", t3: "STOPPED"}
-    assert sweep_state(c2, sid) == "DONE"
+    assert trials(c2, sid) == {t0: TrialState.FAILED, t1: TrialState.FAILED,
+                               t2: TrialState.STOPPED, t3: TrialState.STOPPED}
+    assert sweep_state(c2, sid) == SweepState.DONE
 
 
 def test_a_stopped_trial_keeps_the_adapter_its_attempt_shipped(tmp_path, payload, adapter_dir):
@@ -218,12 +221,12 @@ def test_a_stopped_trial_keeps_the_adapter_its_attempt_shipped(tmp_path, payload
     for spec, v in zip(specs, (1.0, 1.2, 4.0)):
         report(c, spec, 4, v, seq=1)
     loser = specs[2]
-    assert trials(c, sid)[loser.trial] == "STOPPED"
+    assert trials(c, sid)[loser.trial] == TrialState.STOPPED
     files = {n: (adapter_dir / n).read_bytes() for n in ("adapters.safetensors",
                                                          "adapter_config.json")}
     end(world, loser, "succeeded", steps=36, final_loss=1.0, val_loss=4.0, adapter=files)
     world.turns(c, 1)
-    assert trials(c, sid)[loser.trial] == "STOPPED"
+    assert trials(c, sid)[loser.trial] == TrialState.STOPPED
     assert c.stores.adapter_files(loser.trial) == files
     assert c.stores.adapter_info(loser.trial)["step"] == 36
 

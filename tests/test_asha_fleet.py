@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from segctl.node.raynode import alive
+from segctl.schemas.states import Outcome, SweepState, TrialState
 
 from .conftest import segctl
+
+pytestmark = pytest.mark.fleet
 
 GRACE, MAX_STEPS = 9, 63                      # rungs at steps 9 and 27
 GOOD = [4e-4, 2e-4]                           # t000, t001: learn fast (warmup 10)
@@ -53,23 +57,23 @@ def test_asha_stops_the_weak_trials_of_a_sweep_on_the_embedded_fleet(demo_dir, t
         st = segctl("status", "--json", env=env)
         assert st.returncode == 0, st.stderr
         [sw] = json.loads(st.stdout)
-        assert sw["state"] == "DONE", sw
+        assert sw["state"] == SweepState.DONE, sw
         by_lr = {t["params"]["train.learning_rate"]: t for t in sw["trials"]}
         assert len(by_lr) == len(GOOD + BAD)
 
         for lr in GOOD:
             t = by_lr[lr]
-            assert t["state"] == "SUCCEEDED", t
+            assert t["state"] == TrialState.SUCCEEDED, t
             assert t["attempts"][-1]["step"] == MAX_STEPS, t
 
-        stopped = [by_lr[lr] for lr in BAD if by_lr[lr]["state"] == "STOPPED"]
+        stopped = [by_lr[lr] for lr in BAD if by_lr[lr]["state"] == TrialState.STOPPED]
         assert stopped, [(t["trial"], t["state"], t["message"]) for t in sw["trials"]]
         # every bad one is stopped (see the module's docstring for why order cannot matter)
         assert len(stopped) == len(BAD), [(t["trial"], t["state"]) for t in sw["trials"]]
         for t in stopped:
             assert t["message"].startswith("asha: val_loss ") and "at rung 1 (step 9)" in t["message"], t
             [a] = t["attempts"]   # the stop cancels the attempt: not retried
-            assert a["outcome"] == "cancelled", a
+            assert a["outcome"] == Outcome.CANCELLED, a
             assert a["step"] is not None and GRACE <= a["step"] < MAX_STEPS, a
 
         # logs show the transition with its reason

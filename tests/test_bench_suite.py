@@ -24,6 +24,7 @@ def test_every_configuration_of_every_plan_parses(plan):
         assert args.seq == cfg["seq"] and args.impl == cfg.get("impl", "segctl"), cfg
 
 
+@pytest.mark.slow   # 6 processes, 40 s
 def test_the_mac_plan_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, capsys):
     """Every row through its own process, as JSON on stdout, then the table on
     stderr: ours beside mlx-lm's grad_checkpoint, as ratios of its peak and step."""

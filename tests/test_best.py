@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from segctl.schemas.states import Outcome
 from tests.conftest import assert_one_line_error, edit_job, segctl
 
 # A learning rate this large makes val_loss worse within a few evals: patience 2 ends
@@ -52,6 +53,7 @@ def stopped(demo_dir, tmp_path_factory):
     return folder, train(demo_job(demo_dir, folder, train=EARLY))
 
 
+@pytest.mark.slow   # 5 s
 def test_early_stop_ends_the_run_and_the_best_evals_adapter_is_kept(stopped):
     folder, events = stopped
     out = folder / "out"
@@ -118,6 +120,7 @@ def test_bad_early_stop_is_one_line_exit_2(demo_dir, tmp_path, edits, where):
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow   # 6 s
 def test_the_head_stores_the_best_and_gather_exports_it(demo_dir, tmp_path):
     """The fleet path without Ray: the head's controller (fake nodes and agents) places
     two trials, each runs as a real attempt (node/attempt.py, a fresh engine process),
@@ -147,7 +150,7 @@ def test_the_head_stores_the_best_and_gather_exports_it(demo_dir, tmp_path):
             results[spec.trial] = r = run_attempt(
                 spec, tmp_path / "work", send_events=lambda batch: None,
                 send_checkpoint=shipped, on_started=lambda pid, t: None)
-            assert r.outcome == "succeeded", r.message
+            assert r.outcome == Outcome.SUCCEEDED, r.message
             ref.settle(r)
     world.turns(c, 1)
     t_last, t_best = sorted(results)

@@ -19,6 +19,7 @@ import ray
 from segctl.orchestrator.head import Controller
 from segctl.orchestrator.submit import prepare
 from segctl.schemas.records import AttemptResult, AttemptSpec
+from segctl.schemas.states import Outcome, SweepState, TrialState
 from segctl.schemas.sweep import load_sweep
 from tests.test_head_isolation import Ref, World, running, small, sweep_state, trials
 
@@ -92,7 +93,7 @@ def test_oom_above_segment_size_one_replans_smaller_on_the_same_node(tmp_path, p
     assert c.state.trial(first.trial)["max_segment"] == N_LAYERS - 1
     assert only(world).job["memory"]["segment_size"] == N_LAYERS - 2
     assert [a["segment_size"] for a in attempts(c, first.trial)] == [4, 3, 2]
-    assert [a["outcome"] for a in attempts(c, first.trial)] == ["oom", "oom", None]
+    assert [a["outcome"] for a in attempts(c, first.trial)] == [Outcome.OOM, Outcome.OOM, None]
 
 
 def test_oom_at_segment_size_one_alone_on_a_node_excludes_it(tmp_path, payload):
@@ -116,11 +117,11 @@ def test_oom_at_segment_size_one_alone_on_a_node_excludes_it(tmp_path, payload):
     world.turns(c, 2)
     # out of memory at 1 on every node that matches: it fails (retries were left) saying so
     t = c.state.trial(first.trial)
-    assert t["state"] == "FAILED" and json.loads(t["excluded"]) == ["a", "b"]
+    assert t["state"] == TrialState.FAILED and json.loads(t["excluded"]) == ["a", "b"]
     why = "out of memory at segment_size 1 on ['a', 'b'] and no other node matches"
     assert reasons(c, first.trial)[-1] == why and t["message"] == why   # status shows it
     assert not live(world) and len(attempts(c, first.trial)) == 2
-    assert sweep_state(c, sid) == "DONE"
+    assert sweep_state(c, sid) == SweepState.DONE
 
 
 def test_oom_under_the_jobs_own_budget_is_not_sharing(tmp_path, payload):
@@ -151,7 +152,7 @@ def test_a_trial_that_fits_no_node_fails_with_the_reason_in_its_message(tmp_path
     sid = c.submit(p)
     world.turns(c, 1)
     [t] = c.state.trials(sid)
-    assert t["state"] == "FAILED" and t["message"].startswith("does not fit any node (a: ")
+    assert t["state"] == TrialState.FAILED and t["message"].startswith("does not fit any node (a: ")
 
 
 def test_a_trial_excluded_from_the_free_node_waits_for_another(tmp_path, payload):
@@ -164,7 +165,7 @@ def test_a_trial_excluded_from_the_free_node_waits_for_another(tmp_path, payload
     end(world, on["a"], "oom", "crossed memory.budget_gb")
     world.turns(c, 3)
     # a is free but excluded for this trial; b is busy: it waits, a stays idle
-    assert trials(c, sid)[on["a"].trial] == "PENDING"
+    assert trials(c, sid)[on["a"].trial] == TrialState.PENDING
     assert [node_of(c, r.args[0]) for r in live(world)] == ["b"]
     end(world, on["b"], "failed", "bad row")
     world.turns(c, 1)
@@ -191,13 +192,13 @@ def test_oom_while_sharing_a_node_runs_next_on_a_node_to_itself(tmp_path, payloa
     world.turns(c, 2)
     t = c.state.trial(victim.trial)
     # not the node's fault: a is not excluded (and the size cannot go lower)
-    assert t["state"] == "PENDING" and json.loads(t["excluded"]) == []
+    assert t["state"] == TrialState.PENDING and json.loads(t["excluded"]) == []
     assert reasons(c, victim.trial)[-1] == (f"out of memory sharing a ({lent:.3f} GB lent): "
                                             "next on a node to itself")
     # a's free slot goes to the next trial in line, which may share; the victim waits
     placed = {r.args[0].trial: node_of(c, r.args[0]) for r in live(world)}
     assert victim.trial not in placed and placed[f"{sid}-t004"] == "a"
-    assert trials(c, sid)[f"{sid}-t005"] == "PENDING"
+    assert trials(c, sid)[f"{sid}-t005"] == TrialState.PENDING
     # b empties (both its trials end in one turn): the victim gets all of b, and b
     # takes nothing else while it runs, though t005 is waiting
     for spec in by_node["b"]:
@@ -207,7 +208,7 @@ def test_oom_while_sharing_a_node_runs_next_on_a_node_to_itself(tmp_path, payloa
     assert len(again) == 1 and node_of(c, again[0]) == "b"
     assert again[0].job["memory"]["budget_gb"] == b.memory_gb
     assert c.state.attempt(again[0].attempt)["budget_gb"] == b.memory_gb
-    assert not c.takes_work(b) and trials(c, sid)[f"{sid}-t005"] == "PENDING"
+    assert not c.takes_work(b) and trials(c, sid)[f"{sid}-t005"] == TrialState.PENDING
     assert [node_of(c, r.args[0]) for r in live(world)].count("b") == 1
 
 
@@ -227,7 +228,7 @@ def test_oom_above_segment_size_one_while_sharing_replans_smaller_and_alone(tmp_
     end(world, victim, "oom", "crossed memory.budget_gb")
     world.turns(c, 2)
     t = c.state.trial(victim.trial)
-    assert t["state"] == "PENDING" and t["max_segment"] == size and json.loads(t["excluded"]) == []
+    assert t["state"] == TrialState.PENDING and t["max_segment"] == size and json.loads(t["excluded"]) == []
     assert reasons(c, victim.trial)[-1] == (f"re-plan below segment_size {size} after out of "
                                             "memory on a")
     assert [r.args[0].trial for r in live(world)] == [other.trial]   # a is shared: it waits
@@ -258,10 +259,10 @@ def test_retries_spent_fail_the_trial_with_the_reason(tmp_path, payload, how):
     world.turns(c, 3)
     assert not live(world)   # no third attempt
     t = c.state.trial(spec.trial)
-    assert t["state"] == "FAILED" and t["message"] == "retries spent"
+    assert t["state"] == TrialState.FAILED and t["message"] == "retries spent"
     assert reasons(c, spec.trial)[-1] == "retries spent (2 attempts, retries: 1)"
     assert [a["outcome"] for a in attempts(c, spec.trial)] == [how, how]
-    assert sweep_state(c, sid) == "DONE"
+    assert sweep_state(c, sid) == SweepState.DONE
 
 
 def test_a_head_restart_costs_no_retry(tmp_path, payload):
@@ -273,8 +274,8 @@ def test_a_head_restart_costs_no_retry(tmp_path, payload):
     del c   # the head goes away mid-attempt
     world2 = World(names=("a",))
     c2 = world2.controller(tmp_path)
-    assert attempts(c2, first.trial)[0]["outcome"] == "interrupted"
-    assert trials(c2, sid) == {first.trial: "PENDING"}
+    assert attempts(c2, first.trial)[0]["outcome"] == Outcome.INTERRUPTED
+    assert trials(c2, sid) == {first.trial: TrialState.PENDING}
     c2.resume(sid)
     world2.turns(c2, 2)
     assert only(world2).trial == first.trial   # retries: 0, and yet it runs again
@@ -313,7 +314,7 @@ def test_a_retry_takes_the_node_it_broke_on_when_no_other_is_free(tmp_path, payl
     # b is busy with the other trial: a takes the retry rather than leave it waiting
     again = [r.args[0] for r in live(world) if r.args[0].trial == on["a"].trial]
     assert len(again) == 1 and node_of(c, again[0]) == "a"
-    assert set(trials(c, sid).values()) == {"PLACED"}
+    assert set(trials(c, sid).values()) == {TrialState.PLACED}
 
 
 # ------------------------------------------------------------------ the clock
@@ -331,7 +332,7 @@ def test_attempt_times_come_from_the_controllers_clock(tmp_path, payload):
     assert c.free_since["a"] == world.now and a["ready"] == world.now
     c.started(spec.attempt, pid=42, t=world.now + 1.5)
     assert c.state.attempt(spec.attempt)["dispatch_s"] == pytest.approx(1.5)
-    assert trials(c, sid)[spec.trial] == "RUNNING"
+    assert trials(c, sid)[spec.trial] == TrialState.RUNNING
     world.now += 100.0
     end(world, spec, "failed", "bad row")
     world.turns(c, 1)

@@ -191,6 +191,7 @@ def test_unusable_examples_are_step_errors(tiny_models):
 # ------------------------------------------------------------------ segctl train
 
 
+@pytest.mark.slow   # 5 s
 def test_segctl_trains_a_dpo_job(tmp_path):
     from tests.test_orpo import train_preference_demo
     demo, events = train_preference_demo(tmp_path, "qwen3", "dpo")

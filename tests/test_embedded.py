@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from segctl.node.probe import default_name, probe
 from segctl.node.raynode import alive
+from segctl.schemas.states import TrialState
 
 from .conftest import assert_one_line_error, segctl
+
+pytestmark = pytest.mark.fleet
 
 
 def preference_sweep(tmp_path, env, arch: str, method: str, knob: str) -> list[dict]:
@@ -28,7 +32,7 @@ def preference_sweep(tmp_path, env, arch: str, method: str, knob: str) -> list[d
     assert proc.returncode == 0, proc.stderr[-2000:]
     sweeps = {s["sweep"]: s for s in json.loads(segctl("status", "--json", env=env).stdout)}
     trials = sweeps[f"{method}-1"]["trials"]
-    assert [t["state"] for t in trials] == ["SUCCEEDED", "SUCCEEDED"], trials
+    assert [t["state"] for t in trials] == [TrialState.SUCCEEDED, TrialState.SUCCEEDED], trials
     assert sorted(t["params"][knob] for t in trials) == [0.1, 0.5]
     steps = ds.dataset(env["SEGCTL_HOME"] / "telemetry" / "steps", partitioning="hive").to_table(
         filter=ds.field("sweep") == f"{method}-1").to_pylist()
@@ -55,7 +59,7 @@ def test_submit_a_job_on_this_machine_then_status_logs_and_down(demo_dir, tmp_pa
         [sweep] = json.loads(segctl("status", "--json", env=env).stdout)
         [trial] = sweep["trials"]
         [a] = trial["attempts"]
-        assert trial["state"] == "SUCCEEDED" and a["node"] == default_name()
+        assert trial["state"] == TrialState.SUCCEEDED and a["node"] == default_name()
         assert a["segment_size"] == 4   # auto: every layer in one segment fits this machine
 
         nodes = json.loads(segctl("cluster", "status", "--json", env=env).stdout)

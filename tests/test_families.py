@@ -23,6 +23,8 @@ from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
 from tests.conftest import WIDE, random_lora
 from tests.zoo import families, tiny_model
 
+pytestmark = pytest.mark.slow   # the walk over every model family
+
 TOL = 1e-4
 BLOCK = 16
 CHUNK = 11   # MLP rows per chunk: divides no row length here

@@ -28,6 +28,8 @@ from segctl.orchestrator import fleet
 from segctl.schemas.cluster import ClusterSpec, HeadSpec, NodeSpec
 from tests.conftest import cli_env
 
+pytestmark = pytest.mark.fleet
+
 LOCAL = {"small": 0.5, "mid": 2.0, "big": 8.0}      # name -> budget GB
 REMOTE = "mac9"
 

@@ -21,8 +21,11 @@ import pytest
 import yaml
 
 from segctl.node.raynode import alive
+from segctl.schemas.states import Outcome, SweepState, TrialState
 
 from .conftest import assert_one_line_error, cli_env, letter_model, segctl
+
+pytestmark = pytest.mark.fleet
 
 PORT = 6471
 
@@ -141,10 +144,10 @@ def test_sweep_spreads_over_nodes_and_big_trials_avoid_the_small_one(fleet, tmp_
     assert proc.returncode == 0, proc.stderr[-2000:]
     sid = proc.stderr.split("sweep ")[1].split(":")[0]
     sw = _status(fleet, sid)
-    assert len(sw["trials"]) == 8 and sw["state"] == "DONE"
+    assert len(sw["trials"]) == 8 and sw["state"] == SweepState.DONE
     used = set()
     for t in sw["trials"]:
-        assert t["state"] == "SUCCEEDED", t
+        assert t["state"] == TrialState.SUCCEEDED, t
         [a] = t["attempts"]
         assert {"node", "segment_size", "outcome", "peak_gb"} <= set(a)
         used.add(a["node"])
@@ -219,7 +222,7 @@ def test_forced_oom_is_replanned_smaller_and_succeeds(fleet):
     sid = proc.stderr.split("sweep ")[1].split(":")[0]
     [t] = _status(fleet, sid)["trials"]
     outcomes = [a["outcome"] for a in t["attempts"]]
-    assert t["state"] == "SUCCEEDED" and outcomes[0] == "oom" and outcomes[-1] == "succeeded", t
+    assert t["state"] == TrialState.SUCCEEDED and outcomes[0] == Outcome.OOM and outcomes[-1] == Outcome.SUCCEEDED, t
     sizes = [a["segment_size"] for a in t["attempts"]]
     assert sizes[0] == 4 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 4, sizes
     assert all(a["node"] == "small" for a in t["attempts"])
@@ -242,7 +245,7 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
     t0, t1, t2 = (f"{sid}-t{i:03d}" for i in range(3))
     c = segctl("cancel", t2, "--cluster", fleet["cluster"])
     assert c.returncode == 0 and t2 in c.stdout, c.stderr
-    _wait(fleet, sid, lambda sw: sw["trials"][0]["state"] == "SUCCEEDED"
+    _wait(fleet, sid, lambda sw: sw["trials"][0]["state"] == TrialState.SUCCEEDED
           and sw["trials"][1]["attempts"] and (sw["trials"][1]["attempts"][-1]["step"] or 0) >= 12)
 
     # The head goes away mid-trial (its actor killed, as a crash or restart would).
@@ -270,10 +273,11 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
     assert r.returncode == 1, r.stderr[-2000:]     # one trial was cancelled
     sw = _status(fleet, sid)
     states = [t["state"] for t in sw["trials"]]
-    assert states == ["SUCCEEDED", "SUCCEEDED", "CANCELLED"] and sw["state"] == "DONE", sw
-    assert [a["outcome"] for a in sw["trials"][0]["attempts"]] == ["succeeded"]   # never rerun
+    assert states == [TrialState.SUCCEEDED, TrialState.SUCCEEDED, TrialState.CANCELLED] and (
+        sw["state"] == SweepState.DONE), sw
+    assert [a["outcome"] for a in sw["trials"][0]["attempts"]] == [Outcome.SUCCEEDED]   # never rerun
     second = sw["trials"][1]["attempts"]
-    assert [a["outcome"] for a in second] == ["interrupted", "succeeded"], second
+    assert [a["outcome"] for a in second] == [Outcome.INTERRUPTED, Outcome.SUCCEEDED], second
     assert second[1]["resume_step"] >= 10
     assert sw["trials"][2]["attempts"] == []
     _no_duplicate_steps(_steps(fleet, sid), t1, 120)
@@ -291,7 +295,7 @@ def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_me
     high = _sweep(fleet, "high", placement={"name": "large"}, priority=5,
                   grid={"train.seed": [0, 1]})
     first = segctl("submit", low, "--cluster", fleet["cluster"], "--detach").stdout.strip()
-    _wait(fleet, first, lambda sw: sw["trials"][0]["state"] == "RUNNING")
+    _wait(fleet, first, lambda sw: sw["trials"][0]["state"] == TrialState.RUNNING)
     second = segctl("submit", high, "--cluster", fleet["cluster"], "--detach").stdout.strip()
     c = segctl("cancel", f"{first}-t000", "--cluster", fleet["cluster"])
     assert c.returncode == 0 and f"{first}-t000" in c.stdout, c.stderr
@@ -316,16 +320,16 @@ def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_me
     proc = segctl("submit", bad, "--cluster", fleet["cluster"], "--json", timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     [t] = _status(fleet, proc.stderr.split("sweep ")[1].split(":")[0])["trials"]
-    assert t["state"] == "FAILED" and len(t["attempts"]) == 1, t   # not retried
-    assert "broken-model" in t["message"] and t["attempts"][0]["outcome"] == "failed", t
+    assert t["state"] == TrialState.FAILED and len(t["attempts"]) == 1, t   # not retried
+    assert "broken-model" in t["message"] and t["attempts"][0]["outcome"] == Outcome.FAILED, t
 
-    done = lambda sw: sw["state"] == "DONE"
+    done = lambda sw: sw["state"] == SweepState.DONE
     lows, highs = _wait(fleet, first, done)["trials"], _wait(fleet, second, done)["trials"]
     # low's first trial was running when high arrived; after it, high's trials go
     # first. Placement order is the attempts' ids (state.db numbers them as the head
     # places them); their engines' start times can swap when two are placed in one
     # turn (one takes the node's spare worker, the other starts cold).
-    assert [t["state"] for t in lows] == ["CANCELLED", "SUCCEEDED", "SUCCEEDED"], lows
+    assert [t["state"] for t in lows] == [TrialState.CANCELLED, TrialState.SUCCEEDED, TrialState.SUCCEEDED], lows
     placed = lambda t: t["attempts"][0]["attempt"]
     assert max(placed(t) for t in highs) < min(placed(t) for t in lows[1:]), (highs, lows)
 
@@ -372,12 +376,12 @@ def test_a_node_lost_mid_attempt_costs_no_trial_and_no_row(fleet):
     os.killpg(info["nodes"][victim]["pid"], signal.SIGKILL)
     t_kill = time.time()
     try:
-        sw = _wait(fleet, sid, lambda sw: sw["state"] != "RUNNING", timeout=240)
+        sw = _wait(fleet, sid, lambda sw: sw["state"] != SweepState.RUNNING, timeout=240)
         [t] = sw["trials"]
-        assert t["state"] == "SUCCEEDED", t
+        assert t["state"] == TrialState.SUCCEEDED, t
         lost, done = t["attempts"]
-        assert lost["outcome"] == "node_lost" and lost["node"] == victim
-        assert done["outcome"] == "succeeded" and done["node"] != victim and done["resume_step"] >= 10
+        assert lost["outcome"] == Outcome.NODE_LOST and lost["node"] == victim
+        assert done["outcome"] == Outcome.SUCCEEDED and done["node"] != victim and done["resume_step"] >= 10
         print(f"node loss noticed after {done['started'] - t_kill:.1f} s")
         _no_duplicate_steps(_steps(fleet, sid), t["trial"], 80)
     finally:

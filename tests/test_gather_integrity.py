@@ -25,6 +25,7 @@ import pytest
 
 from segctl.orchestrator.stores import Stores
 from segctl.schemas import store_rows as sr
+from segctl.schemas.states import TrialState
 from tests.conftest import assert_one_line_error, segctl
 
 
@@ -50,7 +51,7 @@ def finished(demo_dir, tmp_path_factory):
     run_placed(world, c, base / "work")
     world.turns(c, 2)
     trials = [t["id"] for t in c.state.trials(sid)]
-    assert [t["state"] for t in c.state.trials(sid)] == ["SUCCEEDED"] * 2
+    assert [t["state"] for t in c.state.trials(sid)] == [TrialState.SUCCEEDED] * 2
     c.state.close()
     return dict(home=base / "home", sweep=sid, trials=dict(zip(trials, ("last", "best"))))
 

@@ -92,6 +92,7 @@ def test_lora_on_gemma4_stays_in_layers_and_grads_match(gemma4_folder):
         assert mx.allclose(our_g[k], ref_g[k], atol=1e-4, rtol=1e-3).item(), k
 
 
+@pytest.mark.slow   # 3 s
 def test_init_demo_gemma4_orpo(tmp_path):
     d = tmp_path / "demo"
     proc = segctl("init-demo", d, "--arch", "gemma4_text", "--method", "orpo")

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from segctl.orchestrator import fleet
 from segctl.schemas.limits import MAX_MEMORY_GB
+from segctl.schemas.states import SweepState, TrialState
 from tests.test_head_isolation import World, adapter_dir, ok, payload, running, small, sweep_state, trials  # noqa: F401
 
 
@@ -148,10 +149,10 @@ def test_a_sweep_made_wrong_in_state_db_fails_alone_and_the_others_complete(
         world.turns(c, 1)
         for r in running(world.agents["a"]):
             ok(r, r.args[0].attempt, adapter_dir)
-    assert sweep_state(c, good) == "DONE"
-    assert set(trials(c, good).values()) == {"SUCCEEDED"}
-    assert sweep_state(c, bad) == "FAILED"
-    assert set(trials(c, bad).values()) == {"FAILED"}
+    assert sweep_state(c, good) == SweepState.DONE
+    assert set(trials(c, good).values()) == {TrialState.SUCCEEDED}
+    assert sweep_state(c, bad) == SweepState.FAILED
+    assert set(trials(c, bad).values()) == {TrialState.FAILED}
     [why] = [e["reason"] for e in c.state.q(
         "SELECT reason FROM events WHERE sweep = ? AND trial IS NULL AND to_state = 'FAILED'", (bad,))]
     assert f"sweep {bad}: reading it from state.db" in why and "\n" not in why
@@ -220,5 +221,5 @@ def test_a_retry_of_a_sweep_made_wrong_in_state_db_fails_its_trial_with_the_reas
     r.settle(AttemptResult(attempt=r.args[0].attempt, outcome="oom", message="out of memory"))
     world.turns(c, 2)
     t = c.state.trial(r.args[0].trial)
-    assert t["state"] == "FAILED" and sweep_state(c, sid) == "FAILED"
+    assert t["state"] == TrialState.FAILED and sweep_state(c, sid) == SweepState.FAILED
     assert t["message"].startswith(f"sweep {sid}: reading it from state.db: retries: ")

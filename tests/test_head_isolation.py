@@ -22,6 +22,7 @@ from segctl.orchestrator.head import Controller
 from segctl.orchestrator.state import StateError
 from segctl.orchestrator.submit import prepare
 from segctl.schemas.records import AttemptResult, NodeInfo
+from segctl.schemas.states import AttemptStatus, Outcome, SweepState, TrialState, TuneState
 from segctl.schemas.sweep import load_sweep
 from tests.conftest import locked
 
@@ -148,7 +149,7 @@ def run_placed(world: World, c: Controller, work: Path) -> None:
                             send_events=lambda batch, a=spec.attempt: c.ingest(a, batch),
                             send_checkpoint=lambda step, files: None,
                             on_started=lambda pid, t, a=spec.attempt: c.started(a, pid, t))
-            assert r.outcome == "succeeded", r.message
+            assert r.outcome == Outcome.SUCCEEDED, r.message
             ref.settle(r)
 
 
@@ -202,11 +203,11 @@ def test_an_unplannable_sweep_fails_alone_and_the_others_are_placed(tmp_path, pa
     sid_bad = c.state.add_sweep(bad["name"], bad["path"], bad["spec"], bad["trials"])
     sid_good = c.submit(small(payload, "good"))
     world.turns(c)
-    assert sweep_state(c, sid_bad) == "FAILED"
-    assert set(trials(c, sid_bad).values()) == {"FAILED"}
+    assert sweep_state(c, sid_bad) == SweepState.FAILED
+    assert set(trials(c, sid_bad).values()) == {TrialState.FAILED}
     msg = c.state.one("SELECT message FROM trials WHERE sweep = ?", (sid_bad,))["message"]
     assert "placing it" in msg and "\n" not in msg
-    assert set(trials(c, sid_good).values()) == {"PLACED"}, trials(c, sid_good)
+    assert set(trials(c, sid_good).values()) == {TrialState.PLACED}, trials(c, sid_good)
     assert "placing it" in (tmp_path / "logs" / "head.log").read_text()
 
 
@@ -240,11 +241,11 @@ def test_an_agent_error_ends_that_attempt_frees_its_node_and_keeps_the_other_res
     ok(rb, aid_b, adapter_dir)
     world.turns(c, 1)
     a = c.state.attempt(aid_a)
-    assert a["status"] == "ended" and a["outcome"] == "agent_error"
+    assert a["status"] == AttemptStatus.ENDED and a["outcome"] == Outcome.AGENT_ERROR
     assert "No space left" in a["message"] and "\n" not in a["message"]
-    assert c.state.attempt(aid_b)["outcome"] == "succeeded"
+    assert c.state.attempt(aid_b)["outcome"] == Outcome.SUCCEEDED
     states = trials(c, sid)
-    assert sorted(states.values()) == ["PLACED", "SUCCEEDED"], states   # a's trial re-placed
+    assert sorted(states.values()) == [TrialState.PLACED, TrialState.SUCCEEDED], states   # a's trial re-placed
     assert c.stores.is_sealed(aid_a) and c.stores.is_sealed(aid_b)
     # the node that failed is free again and took the retry
     again = running(world.agents["a"]) + running(world.agents["b"])
@@ -285,9 +286,11 @@ def test_results_past_the_byte_bound_wait_in_rays_store_and_are_filed_in_turn(
     world.turns(c, 2)
     assert fetched == refs and not c.to_file and c.unfiled_bytes == 0
     aids = [r.args[0].attempt for r in refs]
-    assert [c.state.attempt(a)["outcome"] for a in aids] == ["succeeded", "succeeded", "node_lost"]
+    assert [c.state.attempt(a)["outcome"] for a in aids] == [
+        Outcome.SUCCEEDED, Outcome.SUCCEEDED, Outcome.NODE_LOST]
     assert [c.stores.has_adapter(c.state.attempt(a)["trial"]) for a in aids] == [True, True, False]
-    assert sorted(trials(c, sid).values()) == ["PLACED", "SUCCEEDED", "SUCCEEDED"]   # run again
+    assert sorted(trials(c, sid).values()) == [   # run again
+        TrialState.PLACED, TrialState.SUCCEEDED, TrialState.SUCCEEDED]
 
 
 def test_retries_bound_a_failing_agent(tmp_path, payload):
@@ -299,8 +302,8 @@ def test_retries_bound_a_failing_agent(tmp_path, payload):
         for r in running(world.agents["a"]):
             r.settle(error=ray.exceptions.RayTaskError("run", "PermissionError", PermissionError(
                 "model refused")))
-    assert list(trials(c, sid).values()) == ["FAILED"]
-    assert sweep_state(c, sid) == "DONE"
+    assert list(trials(c, sid).values()) == [TrialState.FAILED]
+    assert sweep_state(c, sid) == SweepState.DONE
     assert c.state.one("SELECT COUNT(*) AS n FROM attempts")["n"] == 2
 
 
@@ -321,8 +324,8 @@ def test_a_failed_seal_does_not_hold_the_trial_and_resume_seals_it_again(
     monkeypatch.setattr(c.stores, "seal_attempt", disk_full)
     r.settle(AttemptResult(attempt=aid, outcome="failed", message="bad data row", steps=1))
     world.turns(c, 1)
-    assert list(trials(c, sid).values()) == ["FAILED"]   # not stuck RUNNING
-    assert c.state.attempt(aid)["status"] == "ended" and not c.stores.is_sealed(aid)
+    assert list(trials(c, sid).values()) == [TrialState.FAILED]   # not stuck RUNNING
+    assert c.state.attempt(aid)["status"] == AttemptStatus.ENDED and not c.stores.is_sealed(aid)
     monkeypatch.setattr(c.stores, "seal_attempt", real_seal)
     c.resume(sid)
     assert c.stores.is_sealed(aid)
@@ -343,12 +346,12 @@ def test_a_success_whose_adapter_cannot_be_stored_runs_again(tmp_path, payload, 
     ok(r, r.args[0].attempt, adapter_dir)
     world.turns(c, 1)
     first = c.state.attempt(r.args[0].attempt)
-    assert first["outcome"] == "agent_error" and "could not store the adapter" in first["message"]
+    assert first["outcome"] == Outcome.AGENT_ERROR and "could not store the adapter" in first["message"]
     monkeypatch.setattr(c.stores, "put_adapter", real_put)
     [r2] = running(world.agents["a"])
     ok(r2, r2.args[0].attempt, adapter_dir)
     world.turns(c, 1)
-    assert list(trials(c, sid).values()) == ["SUCCEEDED"]
+    assert list(trials(c, sid).values()) == [TrialState.SUCCEEDED]
     assert (tmp_path / "adapters.zarr").exists()
 
 
@@ -369,12 +372,12 @@ def test_the_head_restarts_over_attempts_it_cannot_seal(tmp_path, payload, monke
     monkeypatch.setattr(head_mod.Stores, "seal_attempt", refuse)
     world2 = World(names=("a",))
     c2 = world2.controller(tmp_path)   # must not raise
-    assert sweep_state(c2, stuck) == "INTERRUPTED"
-    assert list(trials(c2, stuck).values()) == ["PENDING"]
+    assert sweep_state(c2, stuck) == SweepState.INTERRUPTED
+    assert list(trials(c2, stuck).values()) == [TrialState.PENDING]
     assert not c2.stores.is_sealed(r.args[0].attempt)
     other = c2.submit(small(payload, "other", n=1))
     world2.turns(c2, 1)
-    assert list(trials(c2, other).values()) == ["PLACED"]
+    assert list(trials(c2, other).values()) == [TrialState.PLACED]
     monkeypatch.setattr(head_mod.Stores, "seal_attempt", real_seal)
     c2.resume(stuck)
     assert c2.stores.is_sealed(r.args[0].attempt)
@@ -391,7 +394,7 @@ def test_a_damaged_input_fails_its_trial_and_an_agent_that_refuses_its_attempt(t
     world.agents["b"].refuse["run"] = ray.exceptions.RayActorError()
     world.turns(c, 1)
     [t] = c.state.q("SELECT * FROM trials WHERE sweep = ?", (sid,))
-    assert t["state"] == "FAILED" and "damaged" in t["message"] and "\n" not in t["message"]
+    assert t["state"] == TrialState.FAILED and "damaged" in t["message"] and "\n" not in t["message"]
     assert not c.state.q("SELECT * FROM attempts")   # nothing was started
     # Good data again; node a is busy with another sweep, b's agent refuses the call.
     other = c.submit(small(payload, "other", n=2, retries=3))
@@ -399,8 +402,9 @@ def test_a_damaged_input_fails_its_trial_and_an_agent_that_refuses_its_attempt(t
     ended = c.state.q("SELECT * FROM attempts WHERE outcome = 'agent_error'")
     assert ended and all(a["node"] == "b" for a in ended)
     assert "handing it to b" in ended[0]["message"]
-    assert not c.held.get("b") and set(trials(c, other).values()) <= {"PENDING", "PLACED", "FAILED"}
-    assert "PLACED" in trials(c, other).values()
+    assert not c.held.get("b") and set(trials(c, other).values()) <= {
+        TrialState.PENDING, TrialState.PLACED, TrialState.FAILED}
+    assert TrialState.PLACED in trials(c, other).values()
 
 
 def test_a_probe_error_fails_that_class_and_frees_the_node(tmp_path):
@@ -417,7 +421,7 @@ def test_a_probe_error_fails_that_class_and_frees_the_node(tmp_path):
     p.settle(error=ray.exceptions.RayTaskError("probe", "OSError", OSError(28, "disk full")))
     world.turns(c, 1)
     cls = c.tune_status(tid)["classes"]["sim/8GB"]
-    assert cls["state"] == "failed" and "disk full" in cls["error"]
+    assert cls["state"] == TuneState.FAILED and "disk full" in cls["error"]
     assert not any(c.held.values())
 
 
@@ -429,7 +433,7 @@ def test_listing_nodes_or_starting_an_agent_can_fail_and_the_loop_goes_on(tmp_pa
     world.list_error = None
     sid = c.submit(small(payload, "s", n=1))
     world.turns(c, 2)
-    assert list(trials(c, sid).values()) == ["PLACED"]
+    assert list(trials(c, sid).values()) == [TrialState.PLACED]
     assert "GCS unreachable" in (tmp_path / "logs" / "head.log").read_text()
 
 
@@ -582,7 +586,8 @@ def test_memory_bounds_the_trials_a_node_shares(tmp_path, payload):
     sid = c.submit(_fixed(payload, "s", n=4))
     world.turns(c, 2)
     assert len(running(world.agents["a"])) == 2
-    assert sorted(trials(c, sid).values()) == ["PENDING", "PENDING", "PLACED", "PLACED"]
+    assert sorted(trials(c, sid).values()) == [
+        TrialState.PENDING, TrialState.PENDING, TrialState.PLACED, TrialState.PLACED]
 
 
 def test_trials_spread_over_nodes_before_they_stack(tmp_path, payload):
@@ -621,7 +626,7 @@ def test_oom_at_size_one_excludes_the_node_and_retries_end_in_a_reason(tmp_path,
     r2.settle(AttemptResult(attempt=r2.args[0].attempt, outcome="oom", message="again"))
     world.turns(c, 1)
     [t] = c.state.q("SELECT * FROM trials WHERE sweep = ?", (sid,))
-    assert t["state"] == "FAILED", t["state"]
+    assert t["state"] == TrialState.FAILED, t["state"]
     assert c.state.one("SELECT reason FROM events WHERE trial = ? ORDER BY id DESC",
                        (t["id"],))["reason"] == ("out of memory at segment_size 1 on ['a', 'b'] "
                                                  "and no other node matches")
@@ -639,7 +644,7 @@ def test_out_of_memory_while_sharing_runs_again_on_a_node_to_itself(tmp_path, pa
     runs[0].settle(AttemptResult(attempt=victim.attempt, outcome="oom", message="crossed"))
     world.turns(c, 2)
     t = c.state.trial(victim.trial)
-    assert t["state"] == "PENDING" and json.loads(t["excluded"]) == []   # not held against a
+    assert t["state"] == TrialState.PENDING and json.loads(t["excluded"]) == []   # not held against a
     assert not [r for r in running(world.agents["a"]) if r.args[0].trial == victim.trial]
     for r in running(world.agents["a"]):   # the other two finish: a is idle
         r.settle(AttemptResult(attempt=r.args[0].attempt, outcome="failed", message="x"))
@@ -647,4 +652,4 @@ def test_out_of_memory_while_sharing_runs_again_on_a_node_to_itself(tmp_path, pa
     [again] = running(world.agents["a"])
     assert again.args[0].trial == victim.trial
     assert again.args[0].job["memory"]["budget_gb"] == world.nodes[0].memory_gb
-    assert trials(c, sid)[victim.trial] == "PLACED"
+    assert trials(c, sid)[victim.trial] == TrialState.PLACED

@@ -85,6 +85,7 @@ def test_refused_before_any_work(case: Case, demo_dir, tmp_path, monkeypatch):
 PROCESS = [c for c in CASES if c.process]
 
 
+@pytest.mark.slow   # 3 s; the same cases run in-process
 @pytest.mark.parametrize("case", PROCESS, ids=[c.id for c in PROCESS])
 def test_refused_by_the_real_process(case: Case, demo_dir, tmp_path):
     folder = lay_out(case, demo_dir, tmp_path / "case")

@@ -23,6 +23,7 @@ import pytest
 from segctl.node import models, raynode
 from segctl.schemas.private import private_dir, private_file
 from segctl.schemas.records import AttemptSpec
+from segctl.schemas.states import Outcome
 from tests.test_stores import attempt_row, run_events
 
 ON_HEAD = "/lab/models/tiny"        # a model path this "node" does not have
@@ -192,6 +193,7 @@ def assert_private(root: Path) -> None:
             (str(p), oct(stat.S_IMODE(mode)))
 
 
+@pytest.mark.slow   # 6 s
 def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatch, open_umask):
     from segctl.node.agent import NodeAgent, work_root
     monkeypatch.setenv("SEGCTL_WORK", str(tmp_path / "work"))
@@ -201,12 +203,12 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
 
     for i in range(1, 6):    # bad data: the engine refuses it, exit 2
         r = run(spec(i, {"train.jsonl": b'{"text": 1}\n'}), work)
-        assert r.outcome == "failed" and r.message, r
+        assert r.outcome == Outcome.FAILED and r.message, r
     kept = sorted(p.name for p in work.iterdir())
     assert kept == ["attempt-3", "attempt-4", "attempt-5", "data-cache"], \
         "the newest three failed folders, and the data sets tokenized on this node"
     outcome = json.loads((work / "attempt-5" / "outcome.json").read_text())
-    assert outcome["outcome"] == "failed" and outcome["message"] == r.message
+    assert outcome["outcome"] == Outcome.FAILED and outcome["message"] == r.message
     assert (work / "attempt-5" / "data" / "train.jsonl").is_file(), "kept as it ran, to debug"
     assert_private(tmp_path / "work")
 
@@ -216,7 +218,7 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
     from segctl.node.attempt import run_attempt
     r = run_attempt(spec(6, {"train.jsonl": b"{}\n"}), work, send_events=print,
                     send_checkpoint=print, on_started=print, model_dir=refused)
-    assert (r.outcome, r.message) == ("failed", f"model {job['model']}: "
+    assert (r.outcome, r.message) == (Outcome.FAILED, f"model {job['model']}: "
                                                 f"{job['model']}: not the model of any trial")
 
     # an agent that died mid-attempt left a folder without an outcome: the next
@@ -230,7 +232,7 @@ def test_attempt_folders_do_not_pile_up_on_a_node(demo_dir, tmp_path, monkeypatc
 
     data = {n: (demo_dir / "data" / n).read_bytes() for n in ("train.jsonl", "valid.jsonl")}
     ok = run(spec(8, data), work)
-    assert ok.outcome == "succeeded" and set(ok.adapter) == {"adapters.safetensors",
+    assert ok.outcome == Outcome.SUCCEEDED and set(ok.adapter) == {"adapters.safetensors",
                                                              "adapter_config.json"}
     assert not (work / "attempt-8").exists(), "delivered with the result: the folder goes"
     assert sorted(p.name for p in work.iterdir()) == ["attempt-5", "attempt-6", "attempt-7",
@@ -368,7 +370,7 @@ def test_an_attempt_runs_in_a_spare_started_before_it(demo_dir, tmp_path):
         r = run_attempt(spec(i), tmp_path / "work", send_events=lambda batch: None,
                         send_checkpoint=lambda step, files: None,
                         on_started=lambda pid, t: pids.append(pid))
-        assert r.outcome == "succeeded", r
+        assert r.outcome == Outcome.SUCCEEDED, r
         return pids[0]
 
     def waiting():

@@ -99,6 +99,7 @@ def _phase_peaks(model, ex, **kw):
     return out
 
 
+@pytest.mark.slow   # 13 s
 def test_mlp_chunks_bound_the_layer_and_offload_the_boundaries(tmp_path):
     """On a wide-MLP model the forward of a layer and its backward hold one chunk's
     MLP activations; with the boundaries on disk the forward's peak stops growing
@@ -142,6 +143,7 @@ def test_a_segment_in_pieces_holds_one_layers_backward_at_a_time():
     assert two <= one + 4 * hidden_state, (one, two)
 
 
+@pytest.mark.slow   # 10 s
 def test_layers_run_rows_apart_hold_less_and_step_the_same():
     """engine/rows.py: a layer's light parts (norms, projections and their LoRA,
     RoPE, residuals) run a chunk of rows at a time beside the MLP, attention

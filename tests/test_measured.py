@@ -53,6 +53,7 @@ def _fit(events) -> measured.MemoryModel:
     return measured.models_of(_rows(events))[("sft", "sim/1GB", 512, 2048, "")]
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_probes_measure_every_point_with_each_phases_own_peak(probed):
     _, grid, _ = probed
     assert [(e["seq_len"], e["segment_size"]) for e in grid] == GRID
@@ -70,6 +71,7 @@ def test_probes_measure_every_point_with_each_phases_own_peak(probed):
             assert peak[(L, s)] > peak[(L // 2, s)]
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_the_fit_predicts_held_out_and_unprobed_points_within_ten_percent(probed):
     _, grid, off = probed
     model = _fit(grid)
@@ -82,6 +84,7 @@ def test_the_fit_predicts_held_out_and_unprobed_points_within_ten_percent(probed
         assert abs(err) <= 0.10, (e["seq_len"], e["segment_size"], err)
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_a_point_the_guard_stops_is_a_measured_does_not_fit(demo_dir, probed):
     _, grid, _ = probed
     peak = {(e["seq_len"], e["segment_size"]): e["peak_gb"] for e in grid}
@@ -123,6 +126,7 @@ def _info(demo_dir):
     return planner.model_info(str(demo_dir / "model"))
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_auto_takes_the_fastest_size_that_fits_the_measured_model(demo_dir, probed):
     _, grid, _ = probed
     # equal step times: no size is faster, so auto takes the largest that fits
@@ -143,6 +147,7 @@ def test_auto_takes_the_fastest_size_that_fits_the_measured_model(demo_dir, prob
     assert r.source == "analytic" and "longest probe" in r.reason
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_measured_times_pick_the_fastest_and_near_ties_go_to_the_larger_size(demo_dir, probed):
     _, grid, _ = probed
     info = _info(demo_dir)
@@ -160,6 +165,7 @@ def test_measured_times_pick_the_fastest_and_near_ties_go_to_the_larger_size(dem
     assert p.segment_size == 4 and "fastest" in p.reason
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_a_stopped_probe_keeps_its_point_and_larger_ones_out_of_every_plan(demo_dir, probed):
     _, grid, _ = probed
     info = _info(demo_dir)
@@ -177,6 +183,7 @@ def test_a_stopped_probe_keeps_its_point_and_larger_ones_out_of_every_plan(demo_
                         measured=model).segment_size == 4
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_a_different_lora_rank_is_adjusted_not_refitted(demo_dir, probed):
     _, grid, _ = probed
     model = _model(grid)
@@ -223,6 +230,7 @@ def test_a_model_of_a_known_formula_is_exact():
     assert few.gap(1000) is not None
 
 
+@pytest.mark.slow   # `probed`: the demo probed at every grid point, 7 s
 def test_the_plan_table_keeps_every_point_and_reads_the_latest(tmp_path, probed):
     _, grid, _ = probed
     stores = Stores(tmp_path)

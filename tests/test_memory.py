@@ -8,6 +8,7 @@ not change.
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from bench.engine import bench_model
 from segctl.engine import Example, loss_and_grads
@@ -21,6 +22,7 @@ def peak_of(model, ex, **kw) -> float:
     return mx.get_peak_memory() / 1e9
 
 
+@pytest.mark.slow   # 4 s
 def test_segment_size_one_peaks_below_plain_and_checkpoint():
     # Deep enough and long enough that stored activations dominate the weights.
     model = bench_model("qwen3", layers=8, dim=128, vocab=4096, dtype="float32")

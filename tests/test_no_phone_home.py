@@ -154,6 +154,7 @@ def train(demo_dir: Path, folder: Path, extra_env: dict) -> tuple[subprocess.Com
     return proc, records, sent
 
 
+@pytest.mark.slow   # 5 s
 def test_segctl_train_with_every_tracker_stays_on_this_machine(demo_dir, tmp_path):
     assert "mlflow" in INSTALLED, "the dev install has mlflow: without it this test proves little"
     proc, records, sent = train(demo_dir, tmp_path, {})
@@ -170,6 +171,7 @@ def test_segctl_train_with_every_tracker_stays_on_this_machine(demo_dir, tmp_pat
     assert sent in (None, 0), f"{sent} packets left the namespace for the outside"
 
 
+@pytest.mark.slow   # 5 s
 @pytest.mark.skipif(NS is None, reason="needs network namespaces: the control run reaches out")
 def test_the_probes_see_mlflow_telemetry_when_the_user_opts_in(demo_dir, tmp_path):
     """The control: with the opt-in, the same child run does phone home (MLflow's config

@@ -114,6 +114,7 @@ def test_rows_whose_prompts_differ_run_two_branch(tiny_models, method):
     assert worst_rel_error(grads, ref) <= TOL
 
 
+@pytest.mark.slow   # 4 s
 def test_prefix_shared_peak_is_below_two_branch(tmp_path):
     # A long prompt and short responses: two-branch keeps two sets of boundaries
     # (and runs the prompt twice); prefix-shared one set over P + 2R tokens.
@@ -167,6 +168,7 @@ def train_preference_demo(tmp_path, arch: str, method: str) -> list[dict]:
     return demo, events
 
 
+@pytest.mark.slow   # 7 s
 @pytest.mark.parametrize("arch", ["qwen3", "gemma4_text"])
 def test_segctl_trains_the_orpo_demo(tmp_path, arch):
     demo, events = train_preference_demo(tmp_path, arch, "orpo")

@@ -56,6 +56,7 @@ def test_segmented_gradients_on_a_quantized_base_are_exact(q4):
             assert err <= 1e-4, (k, seg, err)
 
 
+@pytest.mark.slow   # 6 s
 def test_qlora_job_trains_and_the_adapter_loads_in_mlx_lm(demo_dir, q4, tmp_path):
     from mlx_lm import load
 

@@ -23,8 +23,11 @@ import pytest
 
 from segctl.orchestrator import report, views
 from segctl.orchestrator.stores import Stores
+from segctl.schemas.states import AttemptStatus, Outcome, SweepState, TrialState
 from tests.conftest import assert_one_line_error, cli_env, segctl
 from tests.sweepworld import ITERS, run_sweep
+
+pytestmark = pytest.mark.slow   # one real 4-trial sweep (6 engine processes), ~35 s
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def swept(demo_dir, tmp_path_factory):
             snaps.append(report.progress(db, Stores(home), sid, memo))
         finally:
             db.close()
-        if not mid and any(t["state"] == "RUNNING" and (t["step"] or 0) > 5
+        if not mid and any(t["state"] == TrialState.RUNNING and (t["step"] or 0) > 5
                            for t in snaps[-1][0]["trials"]):
             mid.append((snaps[-1][0], report.collect(home, sid)))
     info = run_sweep(demo_dir, home, base / "work", on_batch=watch)
@@ -57,13 +60,13 @@ def test_watch_piped_prints_json_snapshots_and_stops(swept):
     lines = [json.loads(l) for l in proc.stdout.splitlines()]
     assert len(lines) == 3 and lines[0]["time"] < lines[1]["time"] < lines[2]["time"]
     [sw] = lines[-1]["sweeps"]
-    assert sw["sweep"] == swept["sweep"] and sw["state"] == "DONE"
+    assert sw["sweep"] == swept["sweep"] and sw["state"] == SweepState.DONE
     assert [t["trial"] for t in sw["trials"]] == swept["trials"]
     assert sw["totals"]["steps"] == sw["totals"]["total_steps"] == 4 * ITERS
-    assert sw["totals"]["states"] == {"SUCCEEDED": 4} and sw["totals"]["eta_s"] is None
+    assert sw["totals"]["states"] == {TrialState.SUCCEEDED: 4} and sw["totals"]["eta_s"] is None
     by = {t["trial"]: t for t in sw["trials"]}
-    assert by[swept["oom"]]["attempts"] == ["oom", "succeeded"]
-    assert by[swept["lost"]]["attempts"] == ["node_lost", "succeeded"]
+    assert by[swept["oom"]]["attempts"] == [Outcome.OOM, Outcome.SUCCEEDED]
+    assert by[swept["lost"]]["attempts"] == [Outcome.NODE_LOST, Outcome.SUCCEEDED]
     assert all((t["step"], t["iters"]) == (ITERS, ITERS) for t in sw["trials"])
 
     # --until-done: a finished sweep is one snapshot
@@ -115,7 +118,7 @@ def test_watch_quits_on_ctrl_c_with_0_piped_and_on_a_terminal(swept):
 def test_a_frame_shows_step_bars_eta_and_totals(swept):
     """One frame of the live table, rendered from a snapshot taken while trials ran."""
     running = [(s, t) for snap in swept["snaps"] for s in snap for t in s["trials"]
-               if t["state"] == "RUNNING" and t["eta_s"] is not None and 0 < t["step"] < ITERS]
+               if t["state"] == TrialState.RUNNING and t["eta_s"] is not None and 0 < t["step"] < ITERS]
     assert running, "no snapshot caught a running trial with a step rate"
     sw, t = running[len(running) // 2]
     assert t["rate"] > 0 and t["eta_s"] == pytest.approx((ITERS - t["step"]) / t["rate"], abs=0.1)
@@ -143,9 +146,9 @@ def test_report_data_is_the_sweeps(swept, tmp_path):
         assert m["phases"] and len(m["steps"]) == len(m["peaks"]) and m["budget_gb"] == 8.0
         assert m["predicted_gb"] > 0
     oom, ok = by[swept["oom"]]["attempts"]
-    assert oom["outcome"] == "oom" and ok["segment_size"] < oom["segment_size"]
+    assert oom["outcome"] == Outcome.OOM and ok["segment_size"] < oom["segment_size"]
     lost, resumed = by[swept["lost"]]["attempts"]
-    assert lost["outcome"] == "node_lost" and resumed["resume_step"] == 24
+    assert lost["outcome"] == Outcome.NODE_LOST and resumed["resume_step"] == 24
     # the best adapters: ranked as gather ranks them, until gather has run
     ranked = [e["trial"] for e in data["best"]["entries"]]
     assert data["best"]["source"] == "ranking" and ranked == sorted(
@@ -166,13 +169,13 @@ def test_report_while_trials_run_reads_their_staged_telemetry(swept):
     assert swept["mid"], "no report was taken while a trial ran"
     snap, data = swept["mid"][0]
     by = {t["trial"]: t for t in data["trials"]}
-    running = [t for t in snap["trials"] if t["state"] == "RUNNING" and (t["step"] or 0) > 5]
+    running = [t for t in snap["trials"] if t["state"] == TrialState.RUNNING and (t["step"] or 0) > 5]
     assert running
     for t in running:
         steps = [s for s, _ in by[t["trial"]]["loss"]]
         assert steps[:t["step"]] == list(range(1, t["step"] + 1)), t["trial"]
-        assert by[t["trial"]]["attempts"][-1]["status"] != "ended"
-    assert data["sweep"]["state"] == "RUNNING" and "<" not in report.render(data).split(
+        assert by[t["trial"]]["attempts"][-1]["status"] != AttemptStatus.ENDED
+    assert data["sweep"]["state"] == SweepState.RUNNING and "<" not in report.render(data).split(
         'id="report-data" type="application/json">')[1].split("</script>")[0]
 
 

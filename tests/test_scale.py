@@ -13,8 +13,11 @@ import json
 from pathlib import Path
 
 import pyarrow.dataset as ds
+import pytest
 
 from bench.scale import run
+
+pytestmark = pytest.mark.fleet
 
 NODES, TRIALS, STEPS = 3, 20, 5
 

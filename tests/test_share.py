@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from segctl.orchestrator.cli import main
 from segctl.orchestrator.head import Controller
 from segctl.schemas.errors import SpecError
+from segctl.schemas.states import TrialState
 from segctl.schemas.sweep import load_sweep, submitter
 from tests.conftest import assert_one_line_error, segctl
 from tests.test_controller import end, live, payload, sweep_of  # noqa: F401 (fixture)
@@ -61,7 +62,7 @@ def status(root) -> dict[str, dict]:
 def shown(root, sid: str) -> dict[str, str]:
     """Pending trial -> its reason, as `segctl status --json` shows it."""
     return {t["trial"]: t["pending_reason"] for t in status(root)[sid]["trials"]
-            if t["state"] == "PENDING"}
+            if t["state"] == TrialState.PENDING}
 
 
 def table(root) -> str:
@@ -194,7 +195,7 @@ def test_no_free_node_fits_says_what_it_needs_and_what_is_free(tmp_path, payload
         "GB, largest free budget 0.001 GB)")
     need = float(why.split("needs ")[1].split(" GB")[0])
     assert 0.001 < need < 8.0
-    assert c.state.trial(f"{sid}-t001")["state"] == "PENDING"   # it fits a: not failed
+    assert c.state.trial(f"{sid}-t001")["state"] == TrialState.PENDING   # it fits a: not failed
 
 
 def test_placement_no_alive_node_matches_or_only_busy_ones_do(tmp_path, payload):

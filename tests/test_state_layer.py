@@ -86,7 +86,7 @@ def test_a_db_from_before_versions_opens_migrated_with_every_row_intact(tmp_path
     db = old_db(tmp_path / "state.db")
     before = tables(db)
     ro = statelib.read(db)   # the CLI reads it before any head has migrated it
-    assert [t["state"] for t in ro.status("s-1")[0]["trials"]] == ["SUCCEEDED", "RUNNING"]
+    assert [t["state"] for t in ro.status("s-1")[0]["trials"]] == [TrialState.SUCCEEDED, TrialState.RUNNING]
     ro.close()
     assert user_version(db) == 0
 
@@ -101,7 +101,7 @@ def test_a_db_from_before_versions_opens_migrated_with_every_row_intact(tmp_path
     assert [a["id"] for a in st.open_attempts()] == [2]
     st.move("s-1-t1", TrialState.NODE_LOST, "lost")   # and it is written as before
     st.close()
-    assert State(db).trial("s-1-t1")["state"] == "NODE_LOST"   # opening it again: no migration
+    assert State(db).trial("s-1-t1")["state"] == TrialState.NODE_LOST   # opening it again: no migration
     assert user_version(db) == LATEST
 
 
@@ -166,7 +166,7 @@ def test_an_attempt_that_ended_does_not_start_again(tmp_path):
     st.update_attempt(2, status=AttemptStatus.ENDED.value, outcome=Outcome.INTERRUPTED.value)
     with pytest.raises(TransitionError, match="ended -> running"):
         st.update_attempt(2, status=AttemptStatus.RUNNING.value)
-    assert st.attempt(2)["status"] == "ended"
+    assert st.attempt(2)["status"] == AttemptStatus.ENDED
     assert st.charged_attempts("s-1-t1") == 0 and st.charged_attempts("s-1-t0") == 1
 
 
@@ -189,7 +189,7 @@ def test_a_tune_and_its_classes_live_in_state_db(tmp_path):
                               sim_32GB=[]))
     assert st.add_tune(request(sim_8GB=[])).endswith("-2")   # same second: the next number
     t = st.tune(tid)
-    assert t["state"] == "running" and t["request"]["model"] == "m"
+    assert t["state"] == TuneState.RUNNING and t["request"]["model"] == "m"
     assert {c: v["state"] for c, v in t["classes"].items()} == {
         "sim/8GB": "queued", "sim/16GB": "queued", "sim/32GB": "done"}   # the request's order
     assert [c["node_class"] for c in st.queued_tune_classes()] == ["sim/8GB", "sim/16GB"]
@@ -206,15 +206,15 @@ def test_a_tune_and_its_classes_live_in_state_db(tmp_path):
     st = State(tmp_path / "state.db", clock=clock)
     assert st.requeue_tunes() == 1   # the 16GB class had measured all it had
     t = st.tune(tid)
-    assert t["state"] == "running"
+    assert t["state"] == TuneState.RUNNING
     assert {c: (v["state"], v["node"], v["done"], v["fits"]) for c, v in t["classes"].items()} == {
-        "sim/8GB": ("queued", None, 1, 1), "sim/16GB": ("done", None, 1, 0),   # nothing left
-        "sim/32GB": ("done", None, 0, 0)}
+        "sim/8GB": (TuneState.QUEUED, None, 1, 1), "sim/16GB": (TuneState.DONE, None, 1, 0),   # nothing left
+        "sim/32GB": (TuneState.DONE, None, 0, 0)}
     st.move_tune_class(tid, "sim/8GB", TuneState.RUNNING, node="a")
     clock.now += 5
     st.move_tune_class(tid, "sim/8GB", TuneState.FAILED, error="disk full")
     t = st.tune(tid)
-    assert t["state"] == "failed" and t["ended"] == clock.now
+    assert t["state"] == TuneState.FAILED and t["ended"] == clock.now
     assert st.requeue_tunes() == 0   # a finished tune stays as it ended
     assert st.serves_model("m") and not st.serves_model("other")
 
@@ -236,16 +236,16 @@ def test_a_tune_goes_on_after_the_head_restarts(tmp_path):
     c.record_probe(tid, "b", point(64, 1, fits=False))
     pb.settle({"measured": 1, "error": ""})
     world.turns(c, 1)
-    assert c.tune_status(tid)["classes"]["sim/16GB"]["state"] == "done"
+    assert c.tune_status(tid)["classes"]["sim/16GB"]["state"] == TuneState.DONE
     del c   # the head dies with a's probe running
 
     world2 = World(names=("a", "b"))
     world2.nodes[1].memory_gb = 16.0
     c2 = world2.controller(tmp_path)
     status = c2.tune_status(tid)
-    assert status["state"] == "running"
+    assert status["state"] == TuneState.RUNNING
     assert {k: (v["state"], v["done"], v["total"]) for k, v in status["classes"].items()} == {
-        "sim/8GB": ("queued", 1, 3), "sim/16GB": ("done", 1, 1)}
+        "sim/8GB": (TuneState.QUEUED, 1, 3), "sim/16GB": (TuneState.DONE, 1, 1)}
     assert c2.model_folder("m") == "m"   # its nodes may still fetch the model
     world2.turns(c2, 2)
     [again] = probes(world2, "a")
@@ -256,8 +256,8 @@ def test_a_tune_goes_on_after_the_head_restarts(tmp_path):
     again.settle({"measured": 2, "error": ""})
     world2.turns(c2, 1)
     status = c2.tune_status(tid)
-    assert status["state"] == "done"
-    assert status["classes"]["sim/8GB"] == {"state": "done", "node": "a", "budget_gb": 8.0,
+    assert status["state"] == TuneState.DONE
+    assert status["classes"]["sim/8GB"] == {"state": TuneState.DONE, "node": "a", "budget_gb": 8.0,
                                             "done": 3, "fits": 3, "reused": 1, "error": "",
                                             "total": 3}
     assert not any(c2.held.values())
@@ -271,16 +271,16 @@ def test_cancelling_tunes_stops_a_running_probe_and_a_queued_class(tmp_path):
     world.turns(c, 1)
     queued = c.tune(request(sim_8GB=[[64, 1]]))   # waits: a is measuring the first
     world.turns(c, 1)
-    assert c.tune_status(queued)["classes"]["sim/8GB"]["state"] == "queued"
+    assert c.tune_status(queued)["classes"]["sim/8GB"]["state"] == TuneState.QUEUED
     c.cancel_tune(queued)
-    assert c.tune_status(queued)["state"] == "cancelled"
+    assert c.tune_status(queued)["state"] == TuneState.CANCELLED
     c.cancel_tune(running)
     assert [r.args[0] for r in world.agents["a"].calls if r.what == "cancel"] == [
         f"tune:{running}"]
     [p] = probes(world, "a")
     p.settle({"measured": 0, "error": "cancelled"})
     world.turns(c, 1)
-    assert c.tune_status(running)["state"] == "cancelled"
+    assert c.tune_status(running)["state"] == TuneState.CANCELLED
     assert not probes(world, "a")   # the cancelled class never started
 
 

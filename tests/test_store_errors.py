@@ -22,6 +22,7 @@ from segctl.orchestrator import stores as stores_mod
 from segctl.orchestrator.state import LATEST, State, StateError, StoreError
 from segctl.orchestrator.stores import STAGING_VERSION, Stores
 from segctl.schemas import store_rows as sr
+from segctl.schemas.states import TrialState
 from tests.conftest import locked
 from tests.test_head_isolation import World, payload, running, small  # noqa: F401
 from tests.test_stores import run_events
@@ -97,7 +98,7 @@ def test_a_garbage_staging_db_is_one_line_naming_it_and_aside_the_head_starts_an
     c = World().controller(home)
     assert c.stores.is_sealed(aid)
     assert (home / sr.telemetry_file("attempts", c.state.attempt(aid)["sweep"], aid)).exists()
-    assert c.state.trial(trial)["state"] == "PENDING"   # to run again
+    assert c.state.trial(trial)["state"] == TrialState.PENDING   # to run again
 
 
 def test_another_programs_staging_db_is_refused_untouched(tmp_path):

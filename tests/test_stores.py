@@ -228,6 +228,7 @@ say("sealed")
 """
 
 
+@pytest.mark.slow   # 9 s
 def test_a_crash_during_seal_leaves_nothing_half_written(tmp_path):
     root = tmp_path / "stores"
     st = Stores(root)

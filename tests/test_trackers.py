@@ -18,6 +18,7 @@ import pyarrow.dataset as ds
 import pytest
 import yaml
 
+from segctl.schemas.states import TrialState
 from tests.conftest import assert_one_line_error, cli_env, edit_job, segctl
 
 SHORT = dict(iters=6, eval_every=3, val_batches=4, checkpoint_every=0, warmup=0)
@@ -80,6 +81,7 @@ def tracked(demo_dir, tmp_path_factory):
     return folder, home, events
 
 
+@pytest.mark.slow   # `tracked`: one `segctl train` streaming to the trackers
 def test_train_streams_every_step_and_eval_to_tensorboard(tracked):
     folder, home, events = tracked
     steps = [(e["step"], e["loss"]) for e in events if e["event"] == "step"]
@@ -100,6 +102,7 @@ def test_train_streams_every_step_and_eval_to_tensorboard(tracked):
     assert (home / "trackers").stat().st_mode & 0o777 == 0o700
 
 
+@pytest.mark.slow   # `tracked`: one `segctl train` streaming to the trackers
 def test_train_streams_params_and_metrics_to_mlflow(tracked):
     folder, home, events = tracked
     client = mlflow_client(home)
@@ -119,6 +122,7 @@ def test_train_streams_params_and_metrics_to_mlflow(tracked):
     assert run.data.metrics["best_val_loss"] == end["best_val_loss"]
 
 
+@pytest.mark.slow   # `tracked`: one `segctl train` streaming to the trackers
 def test_wandb_offline_run_from_the_same_events(tracked, tmp_path, monkeypatch):
     """W&B where it is installed (it is not in the test extra), offline: the run's
     events through the same Reporter `segctl train` uses; wandb writes its offline run."""
@@ -140,6 +144,7 @@ def test_wandb_offline_run_from_the_same_events(tracked, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ sweeps, through the head
 
+@pytest.mark.slow   # 2 engine runs
 def test_a_sweep_streams_one_run_per_trial_grouped_per_sweep(demo_dir, tmp_path):
     """Two trials of a real sweep, each a real attempt (node/attempt.py: a fresh engine
     process) whose event batches reach the head through Controller.ingest as an agent's
@@ -164,7 +169,7 @@ def test_a_sweep_streams_one_run_per_trial_grouped_per_sweep(demo_dir, tmp_path)
     world.turns(c, 3)   # a turn files ended attempts for FILE_S at most, the rest the next
     assert c.trackers.flush()
     states = {t["id"]: t["state"] for t in c.state.trials(sid)}
-    assert set(states.values()) == {"SUCCEEDED"} and len(states) == 2
+    assert set(states.values()) == {TrialState.SUCCEEDED} and len(states) == 2
 
     table = lambda name: ds.dataset(home / "telemetry" / name, partitioning="hive").to_table()
     steps, evals = table("steps").to_pylist(), table("evals").to_pylist()
@@ -189,6 +194,7 @@ def test_a_sweep_streams_one_run_per_trial_grouped_per_sweep(demo_dir, tmp_path)
     assert lrs == {"0.0001", "0.0003"}
 
 
+@pytest.mark.slow   # `tracked`: one `segctl train` streaming to the trackers
 def test_a_tracker_that_breaks_is_logged_once_and_the_trial_goes_on(demo_dir, tracked, tmp_path):
     """A TensorBoard dir that cannot be made (a file is in the way): the head logs it
     once, that tracker is off for the trial, MLflow still gets every row, a batch
@@ -224,7 +230,7 @@ def test_a_tracker_that_breaks_is_logged_once_and_the_trial_goes_on(demo_dir, tr
     world.turns(c, 1)
     assert c.trackers.flush()
     [t] = c.state.trials(sid)
-    assert t["state"] == "SUCCEEDED"
+    assert t["state"] == TrialState.SUCCEEDED
     log = (home / "logs/head.log").read_text()
     assert log.count("tracker tensorboard") == 1 and "opening its run failed" in log
     assert "tracker mlflow" not in log

@@ -35,6 +35,7 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow   # 8 s
 def test_demo_trains_and_adapter_loads_in_mlx_lm(demo_dir, tmp_path):
     from mlx_lm import generate, load
 
@@ -64,6 +65,7 @@ def test_demo_trains_and_adapter_loads_in_mlx_lm(demo_dir, tmp_path):
     assert generate(base, tok, prompt, max_tokens=12) != generate(tuned, tok, prompt, max_tokens=12)
 
 
+@pytest.mark.slow   # 7 s
 def test_resume_after_kill_equals_uninterrupted(demo_dir, tmp_path):
     edits = dict(train={"iters": 12, "checkpoint_every": 3, "eval_every": 6})
     (tmp_path / "a").mkdir()
@@ -98,6 +100,7 @@ def test_resume_after_kill_equals_uninterrupted(demo_dir, tmp_path):
         assert mx.array_equal(a[k], b[k]).item(), k
 
 
+@pytest.mark.slow   # 4 s
 def test_memory_guard_stops_with_oom_and_keeps_checkpoint(demo_dir, tmp_path):
     job = copy_demo(demo_dir, tmp_path, train={"iters": 4, "checkpoint_every": 2, "eval_every": 0})
     assert segctl("train", job).returncode == 0
@@ -164,6 +167,7 @@ def test_response_cut_away_by_truncation_is_a_row_error(demo_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow   # 6 s
 def test_bad_model_folders(demo_dir, tmp_path):
     job = copy_demo(demo_dir, tmp_path, model=str(tmp_path / "nowhere"))
     assert_one_line_error(segctl("train", job), "nowhere", "not found")

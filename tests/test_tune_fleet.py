@@ -17,8 +17,11 @@ import pytest
 import yaml
 
 from segctl.node.raynode import alive
+from segctl.schemas.states import Outcome, SweepState, TrialState
 
 from .conftest import letter_model, probe_fresh, segctl
+
+pytestmark = pytest.mark.fleet
 
 PORT = 6473
 LENGTHS, SIZES = (128, 256, 384), (1, 2, 4)
@@ -185,11 +188,11 @@ def test_auto_plans_differ_by_class_and_the_sweep_runs_with_no_oom(fleet):
     sid = proc.stderr.split("sweep ")[1].split(":")[0]
     st = segctl("status", sid, "--cluster", fleet["cluster"], "--json")
     [sw] = json.loads(st.stdout)
-    assert sw["state"] == "DONE"
+    assert sw["state"] == SweepState.DONE
     for t in sw["trials"]:
-        assert t["state"] == "SUCCEEDED", t
+        assert t["state"] == TrialState.SUCCEEDED, t
         [a] = t["attempts"]           # no OOM, no retry: one attempt each
-        assert a["outcome"] == "succeeded", a
+        assert a["outcome"] == Outcome.SUCCEEDED, a
         small_node = a["node"].startswith("small")
         if t["params"]["memory.segment_size"] == 4:
             assert a["node"] == "big" and a["segment_size"] == 4, a

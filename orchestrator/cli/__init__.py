@@ -20,6 +20,7 @@ import click
 
 from segctl.schemas import SpecError
 from segctl.schemas.defaults import stores_root
+from segctl.schemas.errors import UserError
 from segctl.schemas.limits import one_line
 
 # stdlib-only names: the CLI starts without loading pydantic (schemas/names.py)
@@ -43,11 +44,11 @@ def _says(e: BaseException) -> str:
 
 class _Group(click.Group):
     def invoke(self, ctx):
-        from segctl.orchestrator.state import OPENED, StoreError, unusable
+        from segctl.orchestrator.state import OPENED, unusable
         try:
             return super().invoke(ctx)
-        except StoreError as e:   # a corrupt or locked state.db or staging.db, named
-            _fail(str(getattr(e, "cause", None) or e))   # (the head's own, by its cause)
+        except UserError as e:   # e.g. a corrupt or locked state.db or staging.db, named
+            _fail(str(getattr(e, "cause", None) or e), e.exit_code)   # (the head's, by its cause)
         except sqlite3.DatabaseError as e:   # ... found only at a later query
             _fail(str(unusable(OPENED[-1] if OPENED else Path("state.db"), e)))
 

@@ -77,14 +77,15 @@ def cluster_status(cluster_file, as_json: bool):
         fleet.connect(spec, start=False)
     except (ConnectionError, RuntimeError) as e:
         _fail(str(e).splitlines()[0], EXIT_INTERNAL)
-    running = {}
+    running: dict = {}
     db = _root(spec) / "state.db"
     if db.exists():
         for a in state.read(db).open_attempts():
             running.setdefault(a["node"], []).append(a["trial"])   # up to its max_trials
     ray_nodes = fleet.ports()
     where = {name: r for r in ray_nodes for name in r["names"]}
-    nodes, warnings = [], []
+    nodes: list = []
+    warnings: list = []
     for n in fleet.nodes(warnings):
         r = where.get(n.name, {})
         nodes.append(dict(n.model_dump(), trial=", ".join(running.get(n.name, [])) or None,

@@ -43,6 +43,8 @@ from segctl.schemas import store_rows as sr
 
 from .conftest import run_in, ssh
 
+pytestmark = pytest.mark.fleet   # a lab of hosts
+
 LAB_HOSTS = 4
 NODES = ("h2", "h3", "h4")
 CLUSTER = """\

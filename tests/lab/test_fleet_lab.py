@@ -33,6 +33,8 @@ from tests.conftest import segctl
 
 from .conftest import commands, ssh, where_readable
 
+pytestmark = pytest.mark.fleet   # a lab of hosts
+
 LAB_HOSTS = 5
 NODES = {"h2": "h2", "h3": "198.18.0.13", "h4": "root@h4"}   # name -> ssh target
 HEAD_PORT = 6379

@@ -13,10 +13,14 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from segctl import lab as lablib
 from segctl.node import raynode
 
 from .conftest import HOSTS, commands, run_in, ssh, where_readable
+
+pytestmark = pytest.mark.fleet   # a lab of hosts
 
 # Connects to every ADDRESS:PORT given and prints which answered: run inside a
 # host, it is that host's view of the network (no `ping` on this machine).

@@ -20,6 +20,8 @@ from tests.conftest import assert_one_line_error, segctl
 
 from .conftest import ssh
 
+pytestmark = pytest.mark.fleet   # a lab of hosts
+
 REPO = Path(__file__).resolve().parents[2]
 
 
