@@ -405,7 +405,8 @@ def _use_token(token_path: str) -> None:
     """Point this process's Ray at the fleet's token. Ray reads RAY_AUTH_* into its
     config when `ray` is imported and caches the token on first use, so both are
     refreshed here (config first, as Ray's own tests do)."""
-    from ray._raylet import AuthenticationTokenLoader, Config
+    # Ray's own names for this, private: its stubs do not list them
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     os.environ.update(ray_env(token_path))
     Config.initialize("")
@@ -424,7 +425,7 @@ def _ray_messages_to_stderr() -> None:
 
     def to_stderr(data, ignore_prefix):
         show({**data, "is_err": True}, ignore_prefix)
-    to_stderr.to_stderr = True
+    setattr(to_stderr, "to_stderr", True)   # marks ours: a second call changes nothing
     worker.print_to_stdstream = to_stderr
 
 

@@ -96,6 +96,8 @@ def checked_entry(stores: Stores, t: dict) -> tuple[dict, dict[str, bytes]]:
     trial and file) where one differs or cannot be read."""
     trial = t["trial"]
     kind, info = exported(stores, trial)
+    if info is None:   # a succeeded trial has its adapter stored: the stores lost it
+        raise Mismatch(f"trial {trial}: the stores hold no adapter for it; nothing was exported")
     try:
         files = stores.adapter_files(trial, kind)
         sent = stores.adapter_sha256(trial, kind)
@@ -136,14 +138,20 @@ def read_gathered(stores: Stores, folder: Path) -> list[dict]:
     if not isinstance(raw, list):
         raise ValueError(f"{path}: expected a list of entries, each with a trial")
     entries = []
-    for i, e in enumerate(raw):
+    for i, item in enumerate(raw):
         try:
-            entries.append(_manifest_entry(e))
+            entries.append(_manifest_entry(item))
         except ValueError as err:
             raise ValueError(f"{path}: entry {i}: {err}") from None
-    for e in entries:
-        _check_files(stores, Path(folder), e)
+    for entry in entries:
+        _check_files(stores, Path(folder), entry)
     return entries
+
+
+def _plain_name(v) -> bool:
+    """Whether `v` can name a trial in the stores (raises ValueError saying why not)."""
+    _safe("trial", v)
+    return True
 
 
 def _manifest_entry(e) -> dict:
@@ -152,7 +160,7 @@ def _manifest_entry(e) -> dict:
     if not isinstance(e, dict):
         raise ValueError("expected an object with a trial")
     checks = {
-        "trial": lambda v: _safe("trial", v) is None,
+        "trial": _plain_name,
         "params": lambda v: isinstance(v, dict),   # a swept value may be a list (lora.keys)
         "metrics": lambda v: isinstance(v, dict) and all(
             isinstance(x, (int, float, type(None))) for x in v.values()),
@@ -217,7 +225,7 @@ def pick(stores: Stores, trials: list[dict], best: int | None, metric: str) -> l
     return sorted(ok, key=key)[:best]
 
 
-def exported(stores: Stores, trial: str) -> tuple[str, dict]:
+def exported(stores: Stores, trial: str) -> tuple[str, dict | None]:
     """Which of the trial's adapters gather exports ("best" or "last") and its
     {attempt, step, val_loss}: the best eval's when the stores have one from the
     same attempt as the last (an older attempt's, left by a run that failed after

@@ -50,6 +50,7 @@ def check_payload(payload) -> dict:
     sweep_keys = {k: v for k, v in spec.items() if k != "planner"} | {"name": name}
     trials = payload.get("trials")
     sweep = check_expanded(sweep_keys, trials)
+    assert isinstance(trials, list)   # check_expanded refused anything else
     blobs = payload.get("blobs")
     if not isinstance(blobs, dict) or not all(isinstance(b, bytes) for b in blobs.values()):
         raise ValueError("blobs: expected a mapping of sha256 -> bytes")

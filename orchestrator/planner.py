@@ -32,6 +32,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from segctl.schemas.defaults import (
     ATTN_KEY_TILE,
@@ -119,7 +120,8 @@ class ModelInfo:
         missing = [n for n in names if n not in d]
         if missing:
             raise ValueError(f"model info lacks {', '.join(missing)}")
-        info = cls(**{n: d[n] if n == "model_type" else int(d[n]) for n in names})
+        values: dict[str, Any] = {n: d[n] if n == "model_type" else int(d[n]) for n in names}
+        info = cls(**values)
         # The head plans from this dict as it arrives: hold it to config.json's bounds.
         check_model_config(dict(model_type=info.model_type, num_hidden_layers=info.n_layers,
                                 hidden_size=info.hidden, intermediate_size=info.intermediate,
@@ -188,7 +190,7 @@ def _act_bytes(weights: list[Path], cfg: dict) -> int:
                 size = _DTYPE_BYTES[t["dtype"]]
                 by_dtype[size] = by_dtype.get(size, 0) + math.prod(shape) * size
     if by_dtype:
-        return min(4, max(by_dtype, key=by_dtype.get))
+        return min(4, max(by_dtype, key=lambda size: by_dtype[size]))
     return _CONFIG_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
 
 
@@ -223,8 +225,8 @@ def row_lengths(job: JobSpec) -> RowLengths:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{folder}: cannot load tokenizer: {msg}") from None
     d = job.data
-    opts = dict(method=job.method, mask_prompt=d.mask_prompt, max_seq_length=d.max_seq_length,
-                overlong=d.overlong)
+    opts: dict[str, Any] = dict(method=job.method, mask_prompt=d.mask_prompt,
+                                max_seq_length=d.max_seq_length, overlong=d.overlong)
     streams, branched = [], 0
     for path in (d.train, d.valid):
         for ex in load_dataset(path, tokenizer, **opts).examples if path else ():

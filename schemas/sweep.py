@@ -329,7 +329,7 @@ def _validate(path: Path, data, root) -> Sweep:
     return Sweep(spec=spec, path=str(path.resolve()), trials=trials)
 
 
-def check_expanded(spec: dict, trials: list) -> Sweep:
+def check_expanded(spec: object, trials: object) -> Sweep:
     """A sweep that arrives already expanded (what the head receives: the sweep's
     keys and each trial's resolved job) held to the models and rules a sweep file
     is held to: every key of SweepSpec, each trial (TrialSpec: its job a JobSpec),
