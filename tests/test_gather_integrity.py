@@ -1,4 +1,4 @@
-"""What leaves the lab is what the nodes sent (issue 32): each node records the
+"""What leaves the lab is what the nodes sent: each node records the
 sha256 of every adapter file it sends (the attempt's `adapter` event); `segctl
 gather` checks every file it exports against that record and `segctl report
 --gathered` checks an exported folder the same way: a flipped byte in the stores,
