@@ -141,11 +141,11 @@ def mix_stats(rows) -> dict:
 # ---------------------------------------------------------------- configurations
 
 def parse_config(name: str) -> dict:
-    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|auto:sS` -> its dict;
+    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|auto:sS` -> its dict;
     ValueError with the reason otherwise."""
     parts = name.split(":")
     bad = ValueError(f"bad configuration {name!r} (mlx-lm:bB[:ckpt] or "
-                     "segctl:bB:packed|unpacked|auto:sS, e.g. segctl:b4:packed:s0)")
+                     "segctl:bB:packed|unpacked|side|auto:sS, e.g. segctl:b4:packed:s0)")
     if len(parts) < 2 or not parts[1].startswith("b") or not parts[1][1:].isdigit() \
             or int(parts[1][1:]) < 1:
         raise bad
@@ -154,7 +154,8 @@ def parse_config(name: str) -> dict:
         if len(parts) == 3 and parts[2] != "ckpt":
             raise bad
         return dict(name=name, impl="mlx-lm", batch=batch, grad_checkpoint=len(parts) == 3)
-    if parts[0] == "segctl" and len(parts) == 4 and parts[2] in ("packed", "unpacked", "auto") \
+    if parts[0] == "segctl" and len(parts) == 4 and parts[2] in ("packed", "unpacked", "side",
+                                                                 "auto") \
             and parts[3].startswith("s") and parts[3][1:].isdigit():
         return dict(name=name, impl="segctl", batch=batch, pack=parts[2],
                     segment_size=int(parts[3][1:]))
@@ -311,13 +312,14 @@ def _segctl(model, optimizer, rows, cfg, args):
     B = cfg["batch"]
     parts = model_parts(model, check=False)
     why = None
+    side = cfg["pack"] == "side"
     if cfg["pack"] == "auto":
         why = pack_refusal(parts)
         pack = why is None
     else:
         pack = cfg["pack"] == "packed"
     state = [model.state, optimizer.state]
-    seen = dict(sequences=[], tokens=0)
+    seen = dict(sequences=[], tokens=0, padded=0)
 
     def step(batch, warmup, count=True):
         examples = [Example(ids, prompt_len) for ids, prompt_len in batch]
@@ -326,7 +328,7 @@ def _segctl(model, optimizer, rows, cfg, args):
         loss, grads = loss_and_grads(model, examples, method="sft",
                                      segment_size=cfg["segment_size"],
                                      head_chunk=DEFAULT_HEAD_CHUNK, attn_block=DEFAULT_ATTN_BLOCK,
-                                     mlp_chunk=DEFAULT_MLP_CHUNK, pack=pack,
+                                     mlp_chunk=DEFAULT_MLP_CHUNK, pack=pack, side=side,
                                      pack_length=args.pack_length, micro=0, parts=parts,
                                      metrics=metrics)
         apply_grads(model, optimizer, grads, GRAD_CLIP)
@@ -335,6 +337,7 @@ def _segctl(model, optimizer, rows, cfg, args):
         if not warmup and count:
             seen["sequences"].append(metrics.get("sequences"))
             seen["tokens"] += metrics.get("tokens") or 0
+            seen["padded"] += metrics.get("padded") or 0
         return loss.item(), len(examples), supervised_tokens(examples)
 
     timed = [rows[i:i + B] for i in range(0, len(rows), B)]
@@ -342,7 +345,8 @@ def _segctl(model, optimizer, rows, cfg, args):
     def extra():
         seqs = seen["sequences"]
         return dict(packed=pack, pack=cfg["pack"], pack_refusal=why,
-                    pack_length=args.pack_length if pack else None,
+                    pack_length=args.pack_length if pack or side else None,
+                    pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
                     sequences_per_step=round(statistics.mean(seqs), 3) if None not in seqs else None,
                     processed_tokens=seen["tokens"], head_chunk=DEFAULT_HEAD_CHUNK,
                     attn_block=DEFAULT_ATTN_BLOCK, mlp_chunk=DEFAULT_MLP_CHUNK)
@@ -432,10 +436,9 @@ def table(rows: list[dict]) -> str:
             if "error" in row:
                 out.append(f"| {_label(row)} | failed: {row['error']} | | | | |")
                 continue
-            shape = (f"{row['sequences_per_step']} seqs" if row.get("impl") == "segctl"
-                     and row.get("sequences_per_step") is not None else
-                     f"{row['pad_efficiency']:.2f} pad eff." if row.get("pad_efficiency")
-                     else "")
+            shape = (f"{row['pad_efficiency']:.2f} pad eff." if row.get("pad_efficiency")
+                     else f"{row['sequences_per_step']} seqs"
+                     if row.get("sequences_per_step") is not None else "")
             ratio = ("1" if row is base else
                      f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "")
             out.append(f"| {_label(row)} | {row['tokens_per_s']:.1f} | {row['peak_gb']:.3f} | "

@@ -62,6 +62,7 @@ class ModelParts:
     tokenwise: list[list[str]] | None = None    # per layer: its token-wise children (engine/layer.py)
     rowwise: list[bool] | None = None           # per layer: may run rows apart (engine/rows.py)
     pack_verdict: tuple | None = None           # (why rows cannot be packed, or None): step.pack_refusal
+    side_verdict: tuple | None = None           # (why rows cannot run side by side, or None): step.side_refusal
 
 
 def load_model(path: str | Path):

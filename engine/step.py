@@ -75,8 +75,8 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
                    offload: str | None = None, grad_checkpoint: bool = False,
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
-                   pack: bool = False, pack_length: int = 0, micro: int = 0,
-                   parts: ModelParts | None = None, on_phase: PhaseHook | None = None,
+                   pack: bool = False, side: bool = False, pack_length: int = 0,
+                   micro: int = 0, parts: ModelParts | None = None, on_phase: PhaseHook | None = None,
                    metrics: dict | None = None):
     """(loss, grads) for one example or a batch (a list of them); grads keyed like
     tree_flatten(trainable_parameters()).
@@ -87,7 +87,10 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     rows (or, with `pack`, sequences of rows: `make_plans`, each micro-batch of
     `micro` rows packed into sequences of at most `pack_length` tokens) run one
     after the other, their gradients summed. pack needs a model that packs
-    exactly (`pack_refusal`). prefix_shared (ORPO, DPO): one pass over
+    exactly (`pack_refusal`). side: the rows not packed run side by side where
+    they can (`make_plans`), [rows, longest] at a time, at most `pack_length`
+    tokens of that; it needs a model whose rows batch exactly (`side_refusal`).
+    prefix_shared (ORPO, DPO): one pass over
     [prompt | chosen | rejected] instead of two; a row it cannot serve runs
     two-branch, and `metrics["prefix_shared"]` says whether every row ran
     shared. DPO first runs its reference forward (phase "ref"). attn_block
@@ -109,7 +112,11 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     why = pack_refusal(parts) if pack else None
     if why:
         raise StepError(f"rows cannot be packed exactly on this model: {why}")
-    plans = make_plans(batch, method, parts, pack=pack, pack_length=pack_length, micro=micro,
+    why = side_refusal(parts) if side else None
+    if why:
+        raise StepError(f"rows cannot run side by side exactly on this model: {why}")
+    plans = make_plans(batch, method, parts, pack=pack, side=side, pack_length=pack_length,
+                       micro=micro,
                        prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
                        beta=beta,
                        reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
@@ -132,8 +139,9 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
         reports += plan.report(sums)
     if metrics is not None:
         metrics.update(step_report(reports))
-        metrics.update(rows=len(batch), sequences=sum(len(p.streams) for p in plans),
-                       tokens=sum(len(s.ids) for p in plans for s in p.streams))
+        metrics.update(rows=len(batch), sequences=sum(s.batch for p in plans for s in p.streams),
+                       tokens=sum(s.tokens for p in plans for s in p.streams),
+                       padded=sum(len(s.ids) for p in plans for s in p.streams))
         if segment_size and offload:
             metrics.update({f"offload_{key}_s": s for key, s in offload_s.items()})
     return loss, grads
@@ -160,7 +168,7 @@ def _nograd_sums(parts, streams, head_chunk, attn_block=0, mlp_chunk=0) -> mx.ar
     """The sums of `streams` from a forward without gradients, in the step's pieces."""
     sums: Any = 0
     for stream in streams:
-        rows = attn_block if 0 < attn_block < len(stream.ids) else 0
+        rows = attn_block if 0 < attn_block < stream.length else 0
         chunk = _pieces(mlp_chunk, stream)
         with _positions(parts, stream):
             h, masks, extras = _embed(parts, stream, rows)
@@ -198,6 +206,10 @@ class Stream:
     block: tuple[int, int] | None = None   # prefix-shared: (prompt length, first rejected row)
     # packed: (start, end, prompt, split) of each row in it (attention.BlockMask.units)
     units: tuple = ()
+    # side by side: `batch` sequences of len(ids) // batch tokens each, one after
+    # another in ids (rows index that flat layout), `pad` of the tokens padding
+    batch: int = 1
+    pad: int = 0
     contiguous: bool = field(init=False)
 
     def __post_init__(self):
@@ -208,6 +220,20 @@ class Stream:
     def masked(self) -> bool:
         """Whether its attention is not the model's own causal mask."""
         return self.block is not None or bool(self.units)
+
+    @property
+    def length(self) -> int:
+        """Tokens of one of its sequences (all of them but side by side)."""
+        return len(self.ids) // self.batch
+
+    @property
+    def tokens(self) -> int:
+        """Its real tokens, padding left out."""
+        return len(self.ids) - self.pad
+
+    def array(self) -> mx.array:
+        """ids as the layers take them: [batch, length]."""
+        return mx.array(self.ids, dtype=mx.int32).reshape(self.batch, self.length)
 
 
 @dataclass
@@ -253,33 +279,94 @@ def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = 
 
 
 def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = False,
-               pack_length: int = 0, micro: int = 0, prefix_shared: bool = False,
-               lambda_: float = 0.1, nll_scope: str = "response", beta: float = 0.1,
+               side: bool = False, pack_length: int = 0, micro: int = 0,
+               prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
+               beta: float = 0.1,
                reference: Callable[[list[Stream]], mx.array] | None = None) -> list[Plan]:
     """The plans of a step over the rows of `batch`. With `pack`, the rows of each
     micro-batch (`micro` rows; 0: all) that run as one stream go into as few
     sequences of at most `pack_length` tokens as first-fit by length gives (a row
-    longer than that runs alone); rows of two branches run alone. Every plan's
-    loss is divided by the weight of the whole batch, so the plans' losses and
-    gradients add up to the step's."""
+    longer than that runs alone). With `side`, the micro-batch's rows that are
+    not packed and take the model's own causal mask (SFT rows, both branches of a
+    preference row) run side by side (`side_groups`), a group at most
+    `pack_length` tokens of [sequences, longest] (a row longer runs alone, a
+    preference row's branches one after the other). The other rows run alone.
+    Every plan's loss is divided by the weight of the whole batch, so the plans'
+    losses and gradients add up to the step's."""
     rows = [row_plan(ex, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
                      nll_scope=nll_scope, beta=beta) for ex in batch]
     total = sum(r.weight for r in rows)
-    groups: list[list[RowPlan]] = []
+    groups: list[tuple[str, list[RowPlan]]] = []
     micro = micro or len(rows)
     for lo in range(0, len(rows), micro):
-        chunk = rows[lo:lo + micro]
-        if not pack:
-            groups += [[r] for r in chunk]
-            continue
-        groups += [[r] for r in chunk if len(r.streams) > 1]
-        groups += first_fit([r for r in chunk if len(r.streams) == 1],
-                            lambda r: len(r.streams[0].ids), pack_length)
+        left = rows[lo:lo + micro]
+        if pack:
+            bins = first_fit([r for r in left if len(r.streams) == 1],
+                             lambda r: len(r.streams[0].ids), pack_length)
+            left = [r for r in left if len(r.streams) > 1]
+        if side:
+            groups += [("side" if _side_tokens(g) <= pack_length else "alone", g)
+                       for g in side_groups([r for r in left if _causal(r)], pack_length)]
+            left = [r for r in left if not _causal(r)]
+        groups += [("alone", [r]) for r in left]
+        if pack:
+            groups += [("packed", g) for g in bins]
     plans = []
-    for group in groups:
-        streams = group[0].streams if len(group) == 1 else [_packed([r.streams[0] for r in group])]
+    for layout, group in groups:
+        if layout == "side" and sum(len(r.streams) for r in group) > 1:
+            streams = [_side_by_side(group)]
+        elif layout == "packed" and len(group) > 1:
+            streams = [_packed([r.streams[0] for r in group])]
+        else:
+            streams = group[0].streams
         plans.append(_join(group, streams, total, method, reference))
     return plans
+
+
+def _causal(row: RowPlan) -> bool:
+    return not any(s.masked for s in row.streams)
+
+
+def _side_tokens(group: list[RowPlan]) -> int:
+    """Tokens of the group side by side: its sequences x the longest."""
+    streams = [s for r in group for s in r.streams]
+    return len(streams) * max(len(s.ids) for s in streams)
+
+
+def side_groups(rows: list[RowPlan], capacity: int) -> list[list[RowPlan]]:
+    """Rows to run side by side, longest first: each group as many rows as keep its
+    sequences x its longest sequence within `capacity` tokens (a row that alone
+    exceeds it, or any row when capacity is 0, runs alone). Sorted by length, the
+    padding of a group is what its rows' lengths differ by."""
+    longest = lambda r: max(len(s.ids) for s in r.streams)
+    groups: list[list[RowPlan]] = []
+    for row in sorted(rows, key=longest, reverse=True):   # stable: ties keep order
+        if groups and _side_tokens(groups[-1] + [row]) <= capacity:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def _side_by_side(group: list[RowPlan]) -> Stream:
+    """One stream of the group's streams side by side, each padded at its end to the
+    longest: the padding comes after every real token of its sequence, so under a
+    causal mask no real token sees it, and the head reads none of it. Each row
+    keeps its own sums (its streams' member columns, side by side)."""
+    streams = [(k, s) for k, r in enumerate(group) for s in r.streams]
+    L = max(len(s.ids) for _, s in streams)
+    cols = [0]
+    for r in group:
+        cols.append(cols[-1] + r.sums)
+    ids: list = []
+    rows, targets, members = [], [], []
+    for b, (k, s) in enumerate(streams):
+        ids += s.ids + [s.ids[-1]] * (L - len(s.ids))
+        rows += [b * L + r for r in s.rows]
+        targets += s.targets
+        members.append(mx.pad(s.member, [(0, 0), (cols[k], cols[-1] - cols[k + 1])]))
+    return Stream(ids, rows, targets, mx.concatenate(members), batch=len(streams),
+                  pad=len(ids) - sum(len(s.ids) for _, s in streams))
 
 
 def first_fit(items: list, size: Callable, capacity: int) -> list[list]:
@@ -499,11 +586,39 @@ def _pack_refusal(parts: ModelParts) -> str | None:
         err, size = float(mx.max(mx.abs(got - want))), float(mx.max(mx.abs(want)))
     except Exception as e:  # a family whose attention refuses the packed mask
         return f"its forward does not take a packed mask ({type(e).__name__}: {e})"
+    return _differs(parts, err, size,
+                    "two rows packed into one sequence give other log-probs than apart")
+
+
+def _differs(parts, err: float, size: float, what: str) -> str | None:
     half = parts.embed(mx.array([[1]])).dtype in (mx.float16, mx.bfloat16)
     if not math.isfinite(err) or err > (2e-2 if half else 1e-3) * max(size, 1.0):
-        return ("two rows packed into one sequence give other log-probs than apart "
-                f"(max difference {err:.3g})")
+        return f"{what} (max difference {err:.3g})"
     return None
+
+
+def side_refusal(parts: ModelParts) -> str | None:
+    """Why rows cannot run side by side on this model exactly, or None when they can.
+    Not assumed from the family: two short rows run side by side (the shorter
+    padded) and apart through the layers without gradients, and every row's log p
+    must agree (within the model dtype's rounding). Checked once per model."""
+    if parts.side_verdict is None:
+        parts.side_verdict = (_side_refusal(parts),)
+    return parts.side_verdict[0]
+
+
+def _side_refusal(parts: ModelParts) -> str | None:
+    rows = [[(5 * i + 2) % 29 + 1 for i in range(n)] for n in (9, 6)]
+    alone = [_all_rows(r) for r in rows]
+    try:
+        plans = [RowPlan([s], lambda s, ref: s[0], 1) for s in alone]
+        side = _side_by_side(plans)
+        got = _nograd_sums(parts, [side], DEFAULT_HEAD_CHUNK)
+        want = mx.concatenate([_nograd_sums(parts, [s], DEFAULT_HEAD_CHUNK) for s in alone])
+        err, size = float(mx.max(mx.abs(got - want))), float(mx.max(mx.abs(want)))
+    except Exception as e:  # a family whose forward refuses a batch
+        return f"its forward does not take rows side by side ({type(e).__name__}: {e})"
+    return _differs(parts, err, size, "two rows side by side give other log-probs than apart")
 
 
 def _all_rows(ids: list[int]) -> Stream:
@@ -579,7 +694,7 @@ def _embed(parts, stream: Stream, rows: int = 0):
     """(h0, per-layer masks, per-layer extra inputs) of a stream; run the layers
     inside `_positions`. `rows` > 0: full-attention layers attend `rows` query
     rows at a time too (the segmented step passes its attn_block)."""
-    ids = mx.array(stream.ids, dtype=mx.int32)[None]
+    ids = stream.array()
     h = parts.embed(ids)
     extras = parts.layer_inputs(ids, h)
     return h, _masks(parts, stream, h.shape[1], parts.masks(h), rows), extras
@@ -653,7 +768,7 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
         sums = 0
         for stream in plan.streams:
             logits = _logits(m, parts, stream, grad_checkpoint)
-            lg = logits[0][mx.array(stream.rows)].astype(mx.float32)
+            lg = logits.reshape(-1, logits.shape[-1])[mx.array(stream.rows)].astype(mx.float32)
             tg = mx.array(stream.targets)[:, None]
             logp = mx.take_along_axis(lg, tg, axis=-1)[:, 0] - mx.logsumexp(lg, axis=-1)
             sums = sums + stream.member.T @ logp
@@ -679,7 +794,7 @@ def _own_forward(stream, grad_checkpoint) -> bool:
 
 def _logits(model, parts, stream, grad_checkpoint):
     if _own_forward(stream, grad_checkpoint):
-        return model(mx.array(stream.ids, dtype=mx.int32)[None])
+        return model(stream.array())
     h, masks, extras = _embed(parts, stream)
     kv: dict = {}
     for i, layer in enumerate(parts.layers):
@@ -741,7 +856,7 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chu
             fwd = _Forward([], [], {}, scratch.enter_context(Boundaries(offload)))
             with _positions(parts, stream):
                 top = _forward(parts, stream, segments, base_seed, phase, tag,
-                               attn_block if 0 < attn_block < len(stream.ids) else 0,
+                               attn_block if 0 < attn_block < stream.length else 0,
                                _pieces(mlp_chunk, stream), fwd)
             logp, g = _head_pass(parts, top, stream, head_chunk)
             del top
@@ -759,7 +874,7 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chu
             g, heads[k] = heads[k], None  # this branch's head gradients live on only in dh
             dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
             del g
-            blocked = 0 < attn_block < len(stream.ids)
+            blocked = 0 < attn_block < stream.length
             with _positions(parts, stream):
                 _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                           _pieces(mlp_chunk, stream), base_seed, phase, tag)
@@ -772,7 +887,7 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chu
 
 
 def _pieces(chunk: int, stream: Stream) -> int:
-    return chunk if 0 < chunk < len(stream.ids) else 0
+    return chunk if 0 < chunk < stream.length else 0
 
 
 def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forward) -> mx.array:
@@ -815,12 +930,13 @@ def _head_pass(parts, h, stream: Stream, chunk: int):
     cotangent) exist for one chunk at a time. One graph over all chunks is not
     enough: a GPU queue allocates every chunk's logits before the first is freed."""
     rows, targets = stream.rows, mx.array(stream.targets, dtype=mx.int32)
+    h = h.reshape(-1, h.shape[-1])   # side by side, rows index the sequences one after another
     logps, gs = [], []
     for i in range(0, len(rows), chunk):
         if stream.contiguous:
-            hc = h[0, rows[0] + i:rows[0] + i + chunk]
+            hc = h[rows[0] + i:rows[0] + i + chunk]
         else:
-            hc = h[0][mx.array(rows[i:i + chunk])]
+            hc = h[mx.array(rows[i:i + chunk])]
         f = _chunk_logp(parts, targets[i:i + chunk])
         (lp,), (g,) = mx.vjp(lambda x: [f(x)], [hc], [mx.ones((hc.shape[0],), mx.float32)])
         mx.eval(lp, g)
@@ -833,7 +949,7 @@ def _head_logp(parts, h, stream: Stream, chunk: int) -> mx.array:
     rows, targets = mx.array(stream.rows), mx.array(stream.targets, dtype=mx.int32)
     out = []
     for i in range(0, len(stream.rows), chunk):
-        out.append(_chunk_logp(parts, targets[i:i + chunk])(h[0][rows[i:i + chunk]]))
+        out.append(_chunk_logp(parts, targets[i:i + chunk])(h.reshape(-1, h.shape[-1])[rows[i:i + chunk]]))
         mx.eval(out[-1])
     return mx.concatenate(out)
 
@@ -847,8 +963,8 @@ def _chunk_logp(parts: ModelParts, targets: mx.array):
 
 
 def _place(stream: Stream, rows_grad: mx.array) -> mx.array:
-    """dh [1, L, D] with each read row's gradient at its row (summed where a row is
-    read twice, as prefix-shared ORPO's row P-1 is)."""
+    """dh [batch, length, D] with each read row's gradient at its row (summed where a
+    row is read twice, as prefix-shared ORPO's row P-1 is)."""
     L, D = len(stream.ids), rows_grad.shape[-1]
     if stream.contiguous:
         lo = stream.rows[0]
@@ -856,8 +972,10 @@ def _place(stream: Stream, rows_grad: mx.array) -> mx.array:
         pieces.append(rows_grad)
         if lo + len(stream.rows) < L:
             pieces.append(mx.zeros((L - lo - len(stream.rows), D), rows_grad.dtype))
-        return mx.concatenate(pieces)[None]
-    return mx.zeros((L, D), rows_grad.dtype).at[mx.array(stream.rows)].add(rows_grad)[None]
+        flat = mx.concatenate(pieces)
+    else:
+        flat = mx.zeros((L, D), rows_grad.dtype).at[mx.array(stream.rows)].add(rows_grad)
+    return flat.reshape(stream.batch, stream.length, D)
 
 
 def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase, tag):

@@ -29,7 +29,8 @@ from segctl.schemas.job import JobSpec
 from .data import DataError, Dataset, epoch_order, load_dataset_cached
 from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
-from .step import StepError, eval_loss, loss_and_grads, pack_refusal, supervised_tokens
+from .step import (StepError, eval_loss, loss_and_grads, pack_refusal, side_refusal,
+                   supervised_tokens)
 
 Emit = Callable[[ev.Event], None]
 GB = 1e9
@@ -80,7 +81,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     parts = model_parts(model, check=False)
     per_step = job.train.rows_per_step
     pack, pack_reason = packing(job, parts)
-    pack_kw = dict(pack=pack, pack_length=pack_length(job), micro=job.train.batch_size)
+    side = side_by_side(job, parts)
+    pack_kw = dict(pack=pack, side=side, pack_length=pack_length(job), micro=job.train.batch_size)
     if job.train.iters:
         total = job.train.iters
     else:
@@ -105,7 +107,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   skipped=train_set.skipped + (valid_set.skipped if valid_set else 0),
                   trainable_params=n_trainable, batch_size=job.train.batch_size,
                   grad_accumulation=job.train.grad_accumulation, packed=pack,
-                  pack_reason=pack_reason))
+                  pack_reason=pack_reason, side_by_side=side))
 
     budget = job.memory.budget_gb
     # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
@@ -134,6 +136,10 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
             raise FloatingPointError(f"loss became {loss} at step {step}")
         tokens = supervised_tokens(batch)
         sequences, seq_tokens = m.metrics["sequences"], m.metrics["tokens"]
+        # how full the step's sequences are: packed, over pack_length each; side
+        # by side, over the padded [rows, longest] batches they ran as
+        full = (seq_tokens / (sequences * pack_length(job)) if pack else
+                seq_tokens / m.metrics["padded"] if side else None)
         emit(ev.Step(time=clock(), step=step, loss=loss, tokens=tokens, seconds=m.seconds,
                      tokens_per_s=tokens / m.seconds, lr=float(optimizer.learning_rate.item()),
                      grad_norm=m.grad_norm.item(), peak_gb=m.peak_gb,
@@ -143,8 +149,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                      chosen_reward=m.metrics.get("chosen_reward"),
                      rejected_reward=m.metrics.get("rejected_reward"),
                      rows=len(batch), sequences=sequences, seq_tokens=seq_tokens,
-                     pack_efficiency=seq_tokens / (sequences * pack_length(job)) if pack
-                     else None))
+                     pack_efficiency=full))
         if job.telemetry.phases:
             emit(ev.Phase(time=clock(), step=step, phases=m.phases))
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
@@ -227,6 +232,16 @@ def packing(job: JobSpec, parts) -> tuple[bool, str | None]:
         raise ModelError(f"{job.model}: data.pack: true: rows cannot be packed exactly ({why}); "
                          "use pack: auto or false")
     return False, why
+
+
+def side_by_side(job: JobSpec, parts) -> bool:
+    """Whether a micro-batch's rows that are not packed (all of them unpacked, the
+    two-branch preference rows packed) run side by side, [rows, longest] padded at
+    their ends, as mlx-lm batches: one wide pass instead of one per row, which a
+    GPU runs in about the time of one. Exact where the model's rows batch
+    exactly (`side_refusal`) and LoRA dropout is off (a batch draws other masks
+    than its rows apart); else they run one after the other."""
+    return job.train.batch_size > 1 and job.lora.dropout == 0 and side_refusal(parts) is None
 
 
 def pack_length(job: JobSpec) -> int:

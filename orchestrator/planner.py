@@ -246,20 +246,34 @@ def longest_row(job: JobSpec, lengths: RowLengths | None = None) -> int:
 
 def step_tokens(job: JobSpec, lengths: RowLengths | None = None, *,
                 batch_size: int | None = None, packable: bool | None = None) -> int:
-    """The longest sequence a step puts through the layers, the seq_len its plan must
-    hold. Unpacked (`packs` says no, or one row a micro-batch) the longest row.
-    Packed, the engine puts each micro-batch's rows (batch_size of them) into
-    sequences of at most pack_length tokens, a longer row alone, so the longest is
-    at most the longer of pack_length and the longest row, and at most the
-    batch_size longest rows together; two-branch rows are never packed.
+    """The most tokens a step puts through the layers at once, the seq_len its plan
+    must hold. One row a micro-batch: the longest row. Packed, the engine puts each
+    micro-batch's rows (batch_size of them) into sequences of at most pack_length
+    tokens, a longer row alone, so the most is the longer of pack_length and the
+    longest row, and at most the batch_size longest rows together. Rows not
+    packed (all of them unpacked, two-branch rows packed) run side by side where
+    LoRA dropout is off (engine/train.side_by_side): at most pack_length tokens of
+    [sequences, longest], a longer row alone; with dropout, one after the other.
     `batch_size` overrides the job's (the largest batch that fits); `packable`
-    (family_packs of the job's model) is read from config.json when not given."""
+    (family_packs of the job's model) is read from config.json when not given.
+    A model whose rows do not batch exactly runs them one after the other, which
+    holds less than planned here."""
     lengths = lengths or row_lengths(job)
     b = job.train.batch_size if batch_size is None else batch_size
-    if b <= 1 or not packs(job, packable):
+    if b <= 1:
         return lengths.longest
     cap = max(job.data.pack_length or job.data.max_seq_length, lengths.longest)
-    return max(lengths.branched, min(cap, sum(lengths.streams[:b])))
+    side = job.lora.dropout == 0
+    one = lengths.streams[0] if lengths.streams else 0
+    if packs(job, packable):
+        one = min(cap, sum(lengths.streams[:b]))
+    elif side:
+        one = max(one, min(cap, b * one))
+    branched = lengths.branched
+    if side and branched:
+        # a preference row's two branches side by side, beside others if they fit
+        branched = max(branched, min(cap, 2 * b * branched) if 2 * branched <= cap else 0)
+    return max(one, branched)
 
 
 def packs(job: JobSpec, packable: bool | None = None) -> bool:

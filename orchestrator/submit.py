@@ -63,7 +63,7 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None,
     """`segctl plan`: per trial and node class, the segment size and predicted peak,
     from the plan table's measured model where `segctl tune` made one (stores
     under `root`), else the analytic estimate. `tokens` (prepare's): where a
-    packed batch does not fit, the reason names the largest batch that would."""
+    batch does not fit, the reason names the largest batch that would."""
     from segctl.schemas.job import JobSpec
 
     from . import measured
@@ -94,7 +94,7 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None,
             if not p.fits and tokens and t["name"] in tokens and job.train.batch_size > 1:
                 b = largest_batch(job.train.batch_size, tokens[t["name"]], lambda L: at(L).fits)
                 if b:
-                    reason += (f"; the largest batch that fits packs {b} rows "
+                    reason += (f"; the largest batch that fits is {b} rows "
                                f"(train.batch_size: {b}, or raise train.grad_accumulation)")
             per[cls] = {"fits": p.fits, "segment_size": p.segment_size,
                         "predicted_gb": round(p.predicted_gb, 4), "source": p.source,

@@ -33,6 +33,7 @@ class Start(Event):
     grad_accumulation: int = 1     # micro-batches per step
     packed: bool = False           # whether a micro-batch's rows run packed into sequences
     pack_reason: Optional[str] = None  # data.pack auto: why the rows run unpacked here
+    side_by_side: bool = False     # whether rows not packed run side by side, padded
 
 
 class Step(Event):
@@ -58,7 +59,8 @@ class Step(Event):
     rows: int = 1                  # rows in the step (batch_size x grad_accumulation)
     sequences: int = 1             # sequences they ran as (fewer than rows when packed)
     seq_tokens: Optional[int] = None   # tokens of those sequences, every row's whole length
-    # packed: the sequences' tokens over sequences x pack_length (how full they are)
+    # how full the sequences are: packed, their tokens over sequences x pack_length;
+    # side by side, over the padded [rows, longest] batches they ran as
     pack_efficiency: Optional[float] = None
 
 

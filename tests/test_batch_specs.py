@@ -230,7 +230,7 @@ def with_(job: JobSpec, **sections) -> JobSpec:
 ROWS = RowLengths((90, 40, 30, 20, 10, 5))
 
 
-def test_step_tokens_is_the_longest_row_unpacked_and_the_packed_micro_batch_packed():
+def test_step_tokens_is_the_packed_micro_batch_or_its_rows_side_by_side():
     job = a_job(pack=True)
     assert step_tokens(job, ROWS) == 100                      # min(100, 90 + 40 + 30 + 20)
     assert step_tokens(job, ROWS, batch_size=2) == 100        # min(100, 90 + 40)
@@ -238,17 +238,26 @@ def test_step_tokens_is_the_longest_row_unpacked_and_the_packed_micro_batch_pack
     assert step_tokens(with_(job, data={"pack_length": 400}), ROWS, batch_size=3) == 160
     assert step_tokens(job, RowLengths((30, 20, 10, 5, 1))) == 65   # the 4 longest together
     assert step_tokens(job, ROWS, batch_size=1) == 90        # one row: nothing to pack
-    assert step_tokens(with_(job, data={"pack": False}), ROWS) == 90
+    # unpacked, the rows run side by side: [4, 90] is over pack_length, so the
+    # longest runs alone and the others as [3, 40]; at 400 tokens, [4, 90]
+    apart = with_(job, data={"pack": False})
+    assert step_tokens(apart, ROWS) == 100
+    assert step_tokens(with_(apart, data={"pack_length": 400}), ROWS) == 360
+    assert step_tokens(with_(apart, data={"pack_length": 400}), ROWS, batch_size=2) == 180
+    # with LoRA dropout they run one after the other: the longest row
+    assert step_tokens(with_(apart, lora={"dropout": 0.1}), ROWS) == 90
     # auto: packed only where the family packs and lora.dropout is 0
     auto = with_(job, data={"pack": "auto"})
     assert step_tokens(auto, ROWS, packable=True) == 100
-    assert step_tokens(auto, ROWS, packable=False) == 90
+    assert step_tokens(auto, ROWS, packable=False) == 100
     assert step_tokens(with_(auto, lora={"dropout": 0.1}), ROWS, packable=True) == 90
     # a row longer than pack_length runs alone: the step holds it whole
     assert step_tokens(job, RowLengths((150, 40, 30, 20))) == 150
-    # two-branch preference rows are never packed; the packed ones are
+    # two-branch preference rows are never packed; the packed ones are. Their two
+    # branches run side by side where [2, branch] fits pack_length
     assert step_tokens(job, RowLengths((30, 20), branched=70)) == 70
     assert step_tokens(job, RowLengths((60, 50), branched=70)) == 100
+    assert step_tokens(job, RowLengths((30, 20), branched=40)) == 100
     assert planner.longest_row(job, RowLengths((30, 20), branched=70)) == 70
 
 
@@ -318,9 +327,9 @@ def plan_json(sweep: Path, cluster: Path, home: Path) -> list[dict]:
 
 
 def test_plan_names_the_largest_batch_that_fits(demo_dir, tmp_path):
-    """A packed batch that does not fit a node class: the reason names the largest
-    batch whose packed step would (planned at its own step_tokens); none where even
-    one row does not fit, or where the rows are not packed."""
+    """A batch that does not fit a node class: the reason names the largest batch
+    whose step would (planned at its own step_tokens); none where even one row
+    does not fit."""
     from segctl.schemas.defaults import DEFAULT_MARGIN
     job = load_job(copy_demo(demo_dir, tmp_path, data={"pack": True},
                              train={"batch_size": 4}, memory={"segment_size": 1}))
@@ -340,17 +349,18 @@ def test_plan_names_the_largest_batch_that_fits(demo_dir, tmp_path):
     rows = {r["params"]["data.pack"]: r for r in plan_json(sweep, cluster, home)}
     packed, unpacked = rows[True]["classes"], rows[False]["classes"]
     assert rows[True]["seq_len"] == step_tokens(job, lengths)
-    assert rows[False]["seq_len"] == lengths.streams[0]
+    # unpacked, the rows run side by side: [4, longest] at most, within pack_length
+    apart = job.model_copy(update={"data": job.data.model_copy(update={"pack": False})})
+    assert rows[False]["seq_len"] == step_tokens(apart, lengths) > lengths.streams[0]
     small = next(c for c in packed if c.startswith("m1/"))
     tiny = next(c for c in packed if c.startswith("m2/"))
     large = next(c for c in packed if c.startswith("m3/"))
     assert not packed[small]["fits"] and packed[small]["reason"].endswith(
-        "; the largest batch that fits packs 2 rows (train.batch_size: 2, or raise "
+        "; the largest batch that fits is 2 rows (train.batch_size: 2, or raise "
         "train.grad_accumulation)"), packed[small]
     assert not packed[tiny]["fits"] and "largest batch" not in packed[tiny]["reason"]
     assert packed[large]["fits"] and "largest batch" not in packed[large]["reason"]
-    # unpacked, a smaller batch peaks the same: nothing to suggest
-    assert unpacked[small]["fits"] and "largest batch" not in unpacked[tiny]["reason"]
+    assert "largest batch" not in unpacked[tiny]["reason"]   # not even one row fits
     # the table prints (its cells wrap the reason), and nothing was written
     proc = segctl("plan", sweep, "--cluster", cluster, env={"SEGCTL_HOME": home})
     assert proc.returncode == 0 and "does not fit" in proc.stdout, proc.stderr
@@ -375,7 +385,8 @@ def test_a_sweep_over_train_batch_size_validates_and_plans(demo_dir, tmp_path):
     seq = {(r["params"]["train.batch_size"], r["params"]["data.pack"]): r["seq_len"] for r in rows}
     # the demo is qwen3, which packs: auto packs batch 4
     assert seq == {(1, "auto"): lengths.streams[0], (1, False): lengths.streams[0],
-                   (4, "auto"): min(256, sum(lengths.streams[:4])), (4, False): lengths.streams[0]}
+                   (4, "auto"): min(256, sum(lengths.streams[:4])),
+                   (4, False): min(256, 4 * lengths.streams[0])}   # side by side
     assert all(c["fits"] for r in rows for c in r["classes"].values())
     bad = write(tmp_path / "bad.yaml", "name: s\nbase: job.yaml\ngrid:\n  train.batch_size: [0, 2]\n")
     assert_one_line_error(segctl("validate", bad), f"{bad}:4: grid.train.batch_size[0]:")

@@ -13,7 +13,8 @@ import pytest
 from segctl.engine import Example, PreferenceExample, loss_and_grads
 from segctl.engine.attention import BlockMask
 from segctl.engine.model import model_parts
-from segctl.engine.step import first_fit, make_plans, pack_refusal, supervised_tokens
+from segctl.engine.step import (first_fit, make_plans, pack_refusal, side_refusal,
+                                supervised_tokens)
 from tests.conftest import assert_one_line_error, edit_job, segctl
 from tests.test_step import lora_model, worst_rel_error
 
@@ -54,20 +55,29 @@ def test_a_batch_packed_or_apart_is_the_rows_one_by_one(tiny_models, arch):
     assert pack_refusal(parts) is None
     batch = rows_of(model.args.vocab_size, SHAPES)
     loss0, ref = one_by_one(model, batch)
-    for seg, pack, block, micro in ((0, True, 0, 0), (1, True, 0, 0), (2, True, 8, 0),
-                                    (1, False, 8, 0), (2, True, 8, 2), (0, False, 0, 3)):
+    assert side_refusal(parts) is None
+    for seg, pack, side, block, micro in ((0, True, False, 0, 0), (1, True, False, 0, 0),
+                                          (2, True, False, 8, 0), (1, False, False, 8, 0),
+                                          (2, True, False, 8, 2), (0, False, False, 0, 3),
+                                          (0, False, True, 0, 0), (1, False, True, 0, 0),
+                                          (2, False, True, 8, 0), (2, False, True, 8, 3)):
         metrics: dict = {}
-        loss, grads = loss_and_grads(model, batch, segment_size=seg, pack=pack, pack_length=48,
-                                     micro=micro, attn_block=block, mlp_chunk=7 if block else 0,
+        loss, grads = loss_and_grads(model, batch, segment_size=seg, pack=pack, side=side,
+                                     pack_length=48 if pack else 100, micro=micro,
+                                     attn_block=block, mlp_chunk=7 if block else 0,
                                      parts=parts, metrics=metrics)
-        assert abs(loss.item() - loss0) <= TOL * abs(loss0), (arch, seg, pack, block, micro)
-        assert worst_rel_error(grads, ref) <= TOL, (arch, seg, pack, block, micro)
+        case = (arch, seg, pack, side, block, micro)
+        assert abs(loss.item() - loss0) <= TOL * abs(loss0), case
+        assert worst_rel_error(grads, ref) <= TOL, case
         assert metrics["rows"] == 5
         assert metrics["tokens"] == sum(n - 1 for n, _ in SHAPES)
         if pack and not micro:
             assert metrics["sequences"] == 3     # 40+9 over 48 apart: [40] [31,14] [23,9]
         elif not pack:
             assert metrics["sequences"] == 5
+        if side:  # [40, 31] [23, 14, 9] side by side (2 x 39, 3 x 22 <= 100 tokens); by
+            # micro-batches of 3: [31, 23, 9] [40, 14]
+            assert metrics["padded"] == (2 * 39 + 3 * 22 if not micro else 3 * 30 + 2 * 39), case
 
 
 def test_preference_rows_pack_as_whole_blocks(tiny_models):
@@ -98,6 +108,18 @@ def test_preference_rows_pack_as_whole_blocks(tiny_models):
             # three shared rows in one sequence; the fourth's two branches apart
             assert metrics["sequences"] == 3 and metrics["rows"] == 4
             assert metrics["prefix_shared"] is False   # not every row ran shared
+            # two branches each (their sequences 11+12, 12+6, 9+9, 14+19 tokens), side
+            # by side: all eight in one [8, 19] pass, or within 30 tokens the last
+            # row's branches one after the other and each other row's as [2, longest]
+            for pack_length, padded in ((200, 8 * 19), (30, 14 + 19 + 2 * 12 + 2 * 12 + 2 * 9)):
+                metrics = {}
+                loss, grads = loss_and_grads(model, batch, method=method, segment_size=seg,
+                                             side=True, pack_length=pack_length,
+                                             attn_block=4 if seg == 2 else 0, parts=parts,
+                                             metrics=metrics)
+                assert abs(loss.item() - loss0) <= TOL * abs(loss0), (method, seg, pack_length)
+                assert worst_rel_error(grads, ref) <= TOL, (method, seg, pack_length)
+                assert metrics["sequences"] == 8 and metrics["padded"] == padded
 
 
 def test_packed_attention_touches_only_each_rows_own_keys():
