@@ -56,7 +56,10 @@ Configurations (`--configs` picks some by name; default: all of these over
   plain autodiff), packed into sequences of at most --pack-length tokens (each
   row attending only to itself, positions restarting per row) or one sequence
   per row; auto packs iff `pack_refusal` finds the model packs exactly (what a
-  job's `data.pack: auto` does). Then apply_grads (clip 1.0, the job default)
+  job's `data.pack: auto` does), and on a GPU runs the rows side by side instead.
+  `side`: the rows unpacked, side by side ([rows, longest] padded at their ends,
+  longest first, cut where padding costs more than a pass, within --pack-length
+  tokens; on a GPU lengths padded to a multiple of 32). Then apply_grads (clip 1.0, the job default)
   and one mx.eval, mx.clear_cache before each step, as engine/train.py does;
   head_chunk, attn_block and mlp_chunk at the job defaults.
   `sequences_per_step`: the sequences a step ran (packing leaves no padding).
@@ -306,16 +309,17 @@ def _segctl(model, optimizer, rows, cfg, args):
     from segctl.engine.data import Example
     from segctl.engine.model import model_parts
     from segctl.engine.optim import apply_grads
-    from segctl.engine.step import loss_and_grads, pack_refusal, supervised_tokens
+    from segctl.engine.step import loss_and_grads, on_gpu, pack_refusal, side_refusal, supervised_tokens
     from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK
 
     B = cfg["batch"]
     parts = model_parts(model, check=False)
     why = None
     side = cfg["pack"] == "side"
-    if cfg["pack"] == "auto":
+    if cfg["pack"] == "auto":   # as a job's data.pack: auto (engine/train.packing)
         why = pack_refusal(parts)
-        pack = why is None
+        side = on_gpu() and side_refusal(parts) is None
+        pack = why is None and not side
     else:
         pack = cfg["pack"] == "packed"
     state = [model.state, optimizer.state]
@@ -344,7 +348,7 @@ def _segctl(model, optimizer, rows, cfg, args):
 
     def extra():
         seqs = seen["sequences"]
-        return dict(packed=pack, pack=cfg["pack"], pack_refusal=why,
+        return dict(packed=pack, side=side, pack=cfg["pack"], pack_refusal=why,
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
                     sequences_per_step=round(statistics.mean(seqs), 3) if None not in seqs else None,
@@ -397,7 +401,8 @@ def _label(row: dict) -> str:
                                                  else "")
     pack = row.get("pack")
     if pack == "auto":
-        how = f"pack auto ({'packed' if row.get('packed') else 'unpacked'})" \
+        how = ("pack auto (" + ("packed" if row.get("packed") else "side" if row.get("side")
+                                else "unpacked") + ")") \
             if "error" not in row else "pack auto"
     else:
         how = pack or ("packed" if row.get("packed") else "unpacked")

@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
-from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
+from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK, SIDE_PASS_TOKENS
 from segctl.schemas.errors import UserError
 
 from . import rows
@@ -76,8 +76,8 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
                    pack: bool = False, side: bool = False, pack_length: int = 0,
-                   micro: int = 0, parts: ModelParts | None = None, on_phase: PhaseHook | None = None,
-                   metrics: dict | None = None):
+                   micro: int = 0, align: int | None = None, parts: ModelParts | None = None,
+                   on_phase: PhaseHook | None = None, metrics: dict | None = None):
     """(loss, grads) for one example or a batch (a list of them); grads keyed like
     tree_flatten(trainable_parameters()).
 
@@ -89,7 +89,8 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     after the other, their gradients summed. pack needs a model that packs
     exactly (`pack_refusal`). side: the rows not packed run side by side where
     they can (`make_plans`), [rows, longest] at a time, at most `pack_length`
-    tokens of that; it needs a model whose rows batch exactly (`side_refusal`).
+    tokens of that, the longest padded to a multiple of `align` (None:
+    `side_align()`); it needs a model whose rows batch exactly (`side_refusal`).
     prefix_shared (ORPO, DPO): one pass over
     [prompt | chosen | rejected] instead of two; a row it cannot serve runs
     two-branch, and `metrics["prefix_shared"]` says whether every row ran
@@ -116,7 +117,7 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     if why:
         raise StepError(f"rows cannot run side by side exactly on this model: {why}")
     plans = make_plans(batch, method, parts, pack=pack, side=side, pack_length=pack_length,
-                       micro=micro,
+                       micro=micro, align=side_align() if align is None else align,
                        prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
                        beta=beta,
                        reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
@@ -279,7 +280,7 @@ def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = 
 
 
 def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = False,
-               side: bool = False, pack_length: int = 0, micro: int = 0,
+               side: bool = False, pack_length: int = 0, micro: int = 0, align: int = 1,
                prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
                beta: float = 0.1,
                reference: Callable[[list[Stream]], mx.array] | None = None) -> list[Plan]:
@@ -289,8 +290,9 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
     longer than that runs alone). With `side`, the micro-batch's rows that are
     not packed and take the model's own causal mask (SFT rows, both branches of a
     preference row) run side by side (`side_groups`), a group at most
-    `pack_length` tokens of [sequences, longest] (a row longer runs alone, a
-    preference row's branches one after the other). The other rows run alone.
+    `pack_length` tokens of [sequences, longest], its length rounded up to a
+    multiple of `align` (a row longer runs alone, a preference row's branches one
+    after the other). The other rows run alone.
     Every plan's loss is divided by the weight of the whole batch, so the plans'
     losses and gradients add up to the step's."""
     rows = [row_plan(ex, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
@@ -305,8 +307,9 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
                              lambda r: len(r.streams[0].ids), pack_length)
             left = [r for r in left if len(r.streams) > 1]
         if side:
-            groups += [("side" if _side_tokens(g) <= pack_length else "alone", g)
-                       for g in side_groups([r for r in left if _causal(r)], pack_length)]
+            groups += [("side" if _side_tokens(g, align) <= pack_length else "alone", g)
+                       for g in side_groups([r for r in left if _causal(r)], pack_length,
+                                            align)]
             left = [r for r in left if not _causal(r)]
         groups += [("alone", [r]) for r in left]
         if pack:
@@ -314,7 +317,7 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
     plans = []
     for layout, group in groups:
         if layout == "side" and sum(len(r.streams) for r in group) > 1:
-            streams = [_side_by_side(group)]
+            streams = [_side_by_side(group, align)]
         elif layout == "packed" and len(group) > 1:
             streams = [_packed([r.streams[0] for r in group])]
         else:
@@ -327,34 +330,66 @@ def _causal(row: RowPlan) -> bool:
     return not any(s.masked for s in row.streams)
 
 
-def _side_tokens(group: list[RowPlan]) -> int:
-    """Tokens of the group side by side: its sequences x the longest."""
+def _side_tokens(group: list[RowPlan], align: int = 1) -> int:
+    """Tokens of the group side by side: its sequences x the longest (rounded up to
+    a multiple of `align`)."""
     streams = [s for r in group for s in r.streams]
-    return len(streams) * max(len(s.ids) for s in streams)
+    return len(streams) * _aligned(max(len(s.ids) for s in streams), align)
 
 
-def side_groups(rows: list[RowPlan], capacity: int) -> list[list[RowPlan]]:
-    """Rows to run side by side, longest first: each group as many rows as keep its
-    sequences x its longest sequence within `capacity` tokens (a row that alone
-    exceeds it, or any row when capacity is 0, runs alone). Sorted by length, the
-    padding of a group is what its rows' lengths differ by."""
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def side_align() -> int:
+    """The multiple a side-by-side batch's length is padded to. On a GPU every new
+    shape costs a build of its kernels and attention graphs (~0.1 s a shape on an
+    H100, bench/README): lengths in steps of 32, as mlx-lm pads, keep the shapes
+    of a whole run few. A CPU builds nothing per shape, so it pads nothing."""
+    return 32 if on_gpu() else 1
+
+
+def on_gpu() -> bool:
+    """Whether MLX computes on a GPU here (Metal on a Mac, CUDA): the probe the
+    layout choices read, one place for tests to substitute."""
+    return mx.default_device() != mx.cpu
+
+
+def side_groups(rows: list[RowPlan], capacity: int, align: int = 1,
+                pass_tokens: int = SIDE_PASS_TOKENS) -> list[list[RowPlan]]:
+    """Rows to run side by side: sorted by length, longest first, cut into the groups
+    that cost the fewest tokens, padding included, plus `pass_tokens` a group (what
+    one more pass through the layers costs beside its tokens), each group at most
+    `capacity` tokens of [sequences, longest] (a row that alone exceeds it, or
+    any row when capacity is 0, is a group of its own)."""
     longest = lambda r: max(len(s.ids) for s in r.streams)
-    groups: list[list[RowPlan]] = []
-    for row in sorted(rows, key=longest, reverse=True):   # stable: ties keep order
-        if groups and _side_tokens(groups[-1] + [row]) <= capacity:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
+    order = sorted(rows, key=longest, reverse=True)   # stable: ties keep order
+    best = [0.0] + [math.inf] * len(order)   # best[i]: the cheapest cut of order[:i]
+    cut = [0] * (len(order) + 1)
+    for i in range(1, len(order) + 1):
+        seqs = 0
+        for j in range(i - 1, -1, -1):   # the group order[j:i], order[j] its longest
+            seqs += len(order[j].streams)
+            tokens = seqs * _aligned(longest(order[j]), align)
+            if j < i - 1 and tokens > capacity:
+                break   # an earlier j only adds rows and length
+            if best[j] + tokens + pass_tokens < best[i]:
+                best[i], cut[i] = best[j] + tokens + pass_tokens, j
+    groups, i = [], len(order)
+    while i:
+        groups.append(order[cut[i]:i])
+        i = cut[i]
+    return groups[::-1]
 
 
-def _side_by_side(group: list[RowPlan]) -> Stream:
+def _side_by_side(group: list[RowPlan], align: int = 1) -> Stream:
     """One stream of the group's streams side by side, each padded at its end to the
-    longest: the padding comes after every real token of its sequence, so under a
-    causal mask no real token sees it, and the head reads none of it. Each row
-    keeps its own sums (its streams' member columns, side by side)."""
+    longest (rounded up to a multiple of `align`): the padding comes after every
+    real token of its sequence, so under a causal mask no real token sees it, and
+    the head reads none of it. Each row keeps its own sums (its streams' member
+    columns, side by side)."""
     streams = [(k, s) for k, r in enumerate(group) for s in r.streams]
-    L = max(len(s.ids) for _, s in streams)
+    L = _aligned(max(len(s.ids) for _, s in streams), align)
     cols = [0]
     for r in group:
         cols.append(cols[-1] + r.sums)

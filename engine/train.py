@@ -26,11 +26,11 @@ from segctl.schemas.atomic import fsync_dir, write_atomic
 from segctl.schemas.errors import UserError
 from segctl.schemas.job import JobSpec
 
+from . import step as step_module  # its on_gpu probe, which tests substitute
 from .data import DataError, Dataset, epoch_order, load_dataset_cached
 from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
-from .step import (StepError, eval_loss, loss_and_grads, pack_refusal, side_refusal,
-                   supervised_tokens)
+from .step import StepError, eval_loss, loss_and_grads, pack_refusal, side_refusal, supervised_tokens
 
 Emit = Callable[[ev.Event], None]
 GB = 1e9
@@ -219,10 +219,15 @@ def packing(job: JobSpec, parts) -> tuple[bool, str | None]:
     exactly (`pack_refusal`), or LoRA dropout (a packed sequence would draw other
     masks than its rows apart), trains unpacked under auto and is refused under
     true. A micro-batch of one row has nothing to pack: no check runs at start-up
-    (the planner's `step_tokens` plans it as one row too)."""
+    (the planner's `step_tokens` plans it as one row too). On a GPU, auto runs the
+    rows side by side where they can: one wide pass of padded rows beats packed
+    sequences there (bench/README's GPU rows), a CPU the other way round."""
     asked = job.data.pack
     if asked is False or job.train.batch_size == 1:
         return False, None
+    if asked == "auto" and step_module.on_gpu() and side_by_side(job, parts):
+        return False, ("on a GPU the rows run side by side instead: one wide pass of padded "
+                       "rows is faster there than packed sequences")
     why = pack_refusal(parts)
     if why is None and job.lora.dropout > 0:
         why = "lora.dropout is on: a packed sequence draws other dropout masks than its rows"

@@ -254,6 +254,7 @@ def step_tokens(job: JobSpec, lengths: RowLengths | None = None, *,
     packed (all of them unpacked, two-branch rows packed) run side by side where
     LoRA dropout is off (engine/train.side_by_side): at most pack_length tokens of
     [sequences, longest], a longer row alone; with dropout, one after the other.
+    pack auto packs on a CPU and runs rows side by side on a GPU: either fits.
     `batch_size` overrides the job's (the largest batch that fits); `packable`
     (family_packs of the job's model) is read from config.json when not given.
     A model whose rows do not batch exactly runs them one after the other, which
@@ -265,10 +266,16 @@ def step_tokens(job: JobSpec, lengths: RowLengths | None = None, *,
     cap = max(job.data.pack_length or job.data.max_seq_length, lengths.longest)
     side = job.lora.dropout == 0
     one = lengths.streams[0] if lengths.streams else 0
-    if packs(job, packable):
-        one = min(cap, sum(lengths.streams[:b]))
-    elif side:
-        one = max(one, min(cap, b * one))
+    packed = min(cap, sum(lengths.streams[:b]))
+    beside = max(one, min(cap, b * one)) if side else one
+    if job.data.pack is True:
+        one = packed
+    elif packs(job, packable):
+        # auto: packed on a CPU, side by side on a GPU (engine/train.packing); the
+        # node's device decides, so the plan holds either
+        one = max(packed, beside)
+    else:
+        one = beside
     branched = lengths.branched
     if side and branched:
         # a preference row's two branches side by side, beside others if they fit

@@ -15,6 +15,11 @@ DEFAULT_MAX_SEQ_LENGTH = 2048   # data.max_seq_length: tokens per row at most
 DEFAULT_HEAD_CHUNK = 512        # memory.head_chunk: token positions per loss-head chunk
 DEFAULT_ATTN_BLOCK = 2048       # memory.attn_block: query rows per attention-backward block
 DEFAULT_MLP_CHUNK = 4096        # memory.mlp_chunk: rows per MLP chunk on long rows
+# Not a job knob: rows side by side are cut into the groups that cost the fewest
+# padded tokens plus this many a group, what one more pass through the layers
+# costs beside its tokens (~0.07 s a segmented pass of a short row against ~15K
+# tokens/s on an H100 at Qwen3-0.6B's shape, bench/README)
+SIDE_PASS_TOKENS = 1024
 # Not job knobs: on rows longer than ATTN_TILED_ABOVE tokens a query block's
 # attention backward runs ATTN_KEY_TILE keys at a time (engine/attention.py
 # tiled_vjp); the planner models the same.

@@ -13,8 +13,16 @@ import pytest
 from segctl.engine import Example, PreferenceExample, loss_and_grads
 from segctl.engine.attention import BlockMask
 from segctl.engine.model import model_parts
-from segctl.engine.step import (first_fit, make_plans, pack_refusal, side_refusal,
-                                supervised_tokens)
+from segctl.engine.step import (
+    RowPlan,
+    Stream,
+    first_fit,
+    make_plans,
+    pack_refusal,
+    side_groups,
+    side_refusal,
+    supervised_tokens,
+)
 from tests.conftest import assert_one_line_error, edit_job, segctl
 from tests.test_step import lora_model, worst_rel_error
 
@@ -279,3 +287,56 @@ def test_resume_goes_on_with_the_batch_it_was_made_with(demo_dir, tmp_path):
     events = _events(segctl("train", job, "--resume", "--json"))
     assert events[0]["resumed_from"] == 2 and [e["step"] for e in events
                                                if e["event"] == "step"] == [3, 4]
+
+
+def test_side_groups_weigh_padding_against_passes():
+    """Rows side by side are cut where the padding a longer group would carry costs
+    more than one more pass; never past the capacity."""
+    def row(n):
+        return RowPlan([Stream(list(range(n)), [0], [1], mx.ones((1, 1)))], lambda s, r: s, 1)
+
+    rows = [row(n) for n in (20, 100, 17, 95, 18)]
+    lengths = lambda groups: [[len(r.streams[0].ids) for r in g] for g in groups]
+    assert lengths(side_groups(rows, 1000, pass_tokens=50)) == [[100, 95], [20, 18, 17]]
+    assert lengths(side_groups(rows, 1000, pass_tokens=0)) == [[100], [95], [20], [18], [17]]
+    assert lengths(side_groups(rows, 1000, pass_tokens=10_000)) == [[100, 95, 20, 18, 17]]
+    assert lengths(side_groups(rows, 250, pass_tokens=10_000)) == [[100, 95], [20, 18, 17]]
+    assert lengths(side_groups(rows, 0)) == [[100], [95], [20], [18], [17]]
+    # aligned to 32, 100 and 95 both take 128: [2, 128] is over 200 tokens
+    assert lengths(side_groups(rows, 200, align=32, pass_tokens=50)) == [[100], [95], [20, 18, 17]]
+
+
+def test_rows_side_by_side_padded_past_their_longest_are_still_exact(tiny_models):
+    """A GPU pads a side-by-side batch to a multiple of 32 (side_align): the padding
+    past the longest row is as invisible as the rest."""
+    model = lora_model(tiny_models["qwen3"])
+    parts = model_parts(model, check=False)
+    batch = rows_of(model.args.vocab_size, SHAPES)
+    loss0, ref = one_by_one(model, batch)
+    for seg in (0, 2):
+        metrics: dict = {}
+        loss, grads = loss_and_grads(model, batch, segment_size=seg, side=True, pack_length=400,
+                                     align=16, parts=parts, metrics=metrics)
+        assert abs(loss.item() - loss0) <= TOL * abs(loss0), seg
+        assert worst_rel_error(grads, ref) <= TOL, seg
+        assert metrics["padded"] == 5 * 48   # the longest, 39 tokens, padded to 48
+
+
+def test_auto_runs_rows_side_by_side_on_a_gpu_and_packs_on_a_cpu(tiny_models, monkeypatch):
+    from segctl.engine import step, train
+    from segctl.schemas.job import JobSpec
+    model = lora_model(tiny_models["qwen3"])
+    parts = model_parts(model, check=False)
+    job = JobSpec(model="m", data={"train": "t.jsonl"}, train={"iters": 1, "batch_size": 4})
+    assert train.packing(job, parts) == (True, None) and step.side_align() == 1
+    monkeypatch.setattr(step, "on_gpu", lambda: True)
+    pack, why = train.packing(job, parts)
+    assert not pack and "side by side" in why and train.side_by_side(job, parts)
+    assert step.side_align() == 32
+    # asked for, packing is what runs; with dropout nothing runs side by side
+    forced = JobSpec(model="m", data={"train": "t.jsonl", "pack": True},
+                     train={"iters": 1, "batch_size": 4})
+    assert train.packing(forced, parts) == (True, None)
+    drop = JobSpec(model="m", data={"train": "t.jsonl"}, train={"iters": 1, "batch_size": 4},
+                   lora={"dropout": 0.1})
+    assert not train.packing(drop, parts)[0] and not train.side_by_side(drop, parts)
