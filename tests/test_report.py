@@ -284,14 +284,14 @@ def test_hostile_stored_fields_render_inert(swept, tmp_path):
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary")
-def test_a_thousand_trials_of_a_thousand_points_draw(swept, tmp_path):
+def test_three_hundred_trials_of_a_thousand_points_draw(swept, tmp_path):
     """Past ~240,000 points `Math.max(...xs)` overflowed the stack: the charts take
     their extrema in loops. The page is the real sweep's report with its trials
-    multiplied to 1,000, each with 1,000 loss points."""
+    multiplied to 300, each with 1,000 loss points: 300,000 in the loss chart."""
     data = report.collect(swept["home"], swept["sweep"])
     real = data["trials"]
     trials = []
-    for i in range(1000):
+    for i in range(300):
         t = json.loads(json.dumps(real[i % len(real)]))
         t["trial"], t["short"] = f"{swept['sweep']}-t{i:04d}", f"t{i:04d}"
         t["params"] = {"train.learning_rate": 1e-5 * (1 + i), "lora.rank": 4 << (i % 3)}
@@ -310,6 +310,6 @@ def test_a_thousand_trials_of_a_thousand_points_draw(swept, tmp_path):
     head = head_of(dom)
     assert "data-errors" not in head, head[:3000]
     assert 'data-charts="7"' in head, head
-    assert '<span id="trial-count">1000</span>' in dom
-    assert dom.count("<path") > 2 * 1000   # every trial's loss line (raw and smoothed)
+    assert '<span id="trial-count">300</span>' in dom
+    assert dom.count("<path") > 2 * 300   # every trial's loss line (raw and smoothed)
     assert seconds < 120, seconds
