@@ -51,7 +51,9 @@ Configurations (`--configs` picks some by name; default: all of these over
   mlx-lm's first epoch (about 0.1 s a trace at 8 x 512 on the CPU). mlx-lm
   batch 16 peaks at ~22 GB on the default CPU run: on a smaller machine that
   row fails ("error") and the others run.
-- `segctl:bB:packed:sS`, `segctl:bB:unpacked:sS` and `segctl:bB:auto:sS`:
+- `segctl:bB:packed:sS`, `segctl:bB:unpacked:sS`, `segctl:bB:side:sS` and
+  `segctl:bB:auto:sS` (unpacked: one sequence per row, one after the other,
+  what a job does with LoRA dropout on):
   the engine's loss_and_grads over B rows in list order, segment size S (0:
   plain autodiff), packed into sequences of at most --pack-length tokens (each
   row attending only to itself, positions restarting per row) or one sequence
@@ -172,6 +174,7 @@ def default_configs(batches: list[int], segment_sizes: list[int]) -> list[str]:
     for b in batches:
         for s in segment_sizes:
             names += [f"segctl:b{b}:unpacked:s{s}", f"segctl:b{b}:packed:s{s}"]
+            names += [f"segctl:b{b}:side:s{s}"] if b > 1 else []
     names += [f"segctl:b{max(batches)}:auto:s{s}" for s in segment_sizes[:1]]
     return names
 
