@@ -1,5 +1,5 @@
 """The measured memory model on one machine, at a real model's shape: probe a grid
-and points off it in one process (engine/probe.py, what a tune runs on a node),
+and points off it in one process (engine/measure.py, what a tune runs on a node),
 fit on the grid (orchestrator/measured.py) and print how far its predictions of
 the off-grid points are from their measured peaks. No fleet: for the H200, where
 only the engine runs (bench/README.md says how the GPU rows were made).
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
 
-    from segctl.engine.probe import run_probes
+    from segctl.engine.measure import run_probes
     from segctl.orchestrator import measured
     from segctl.schemas.records import ProbeSpec
 

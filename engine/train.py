@@ -30,7 +30,8 @@ from . import step as step_module  # its on_gpu probe, which tests substitute
 from .data import DataError, Dataset, epoch_order, load_dataset_cached
 from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
-from .step import StepError, eval_loss, loss_and_grads, pack_refusal, side_refusal, supervised_tokens
+from .plans import StepError
+from .step import eval_loss, loss_and_grads, pack_refusal, side_refusal, supervised_tokens
 
 Emit = Callable[[ev.Event], None]
 GB = 1e9

@@ -1,6 +1,6 @@
 """The agent on each node: a Ray actor pinned to its node that runs attempts the
 head sends it, up to the node's max_trials at once, each in a fresh engine
-process (node/attempt.py), and the probe points of a tune (node/probes.py).
+process (node/attempt.py), and the probe points of a tune (node/tune_runner.py).
 
 It reaches the head through the head actor's handle: telemetry batches, then
 checkpoints and the adapter as bytes. Nothing assumes a shared file system.
@@ -22,7 +22,7 @@ from segctl.schemas.records import AttemptResult, AttemptSpec, ProbeSpec
 
 from .attempt import Running, abandoned, run_attempt
 from .models import local_model
-from .probes import run_probes
+from .tune_runner import run_probes
 
 CALL_TIMEOUT_S = 120
 

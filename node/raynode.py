@@ -32,7 +32,7 @@ from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS
 from segctl.schemas.limits import MAX_MEMORY_GB
 from segctl.schemas.private import private_dir, private_file
 
-from .probe import Hardware, ray_env
+from .hardware import Hardware, ray_env
 
 HEAD_RESOURCE = "segctl_head"
 NODE_RESOURCE = "segctl_node:"   # + name

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
 def _wait_as_spare() -> list[str] | None:
     """Import what every attempt imports, then wait for the arguments; None when
     the agent goes away first (end-of-file)."""
-    import segctl.engine.probe  # noqa: F401  (mlx, mlx-lm, transformers: the slow part)
+    import segctl.engine.measure  # noqa: F401  (mlx, mlx-lm, transformers: the slow part)
     import segctl.engine.train  # noqa: F401
     import segctl.schemas.job  # noqa: F401
     line = sys.stdin.buffer.readline()
@@ -74,8 +74,8 @@ def _probe(path: str) -> int:
     import time
 
     from segctl.engine import telemetry
+    from segctl.engine.measure import run_probes
     from segctl.engine.model import ModelError
-    from segctl.engine.probe import run_probes
     from segctl.schemas import events as ev
     from segctl.schemas.records import ProbeSpec
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from segctl.node import raynode
-from segctl.node.probe import Hardware, default_name, probe, ray_env
+from segctl.node.hardware import Hardware, default_name, probe, ray_env
 from segctl.schemas.atomic import write_atomic
 from segctl.schemas.cluster import DEFAULT_MAX_TRIALS
 from segctl.schemas.defaults import DEFAULT_NODE_MAX_TRIALS, segctl_home, stores_root

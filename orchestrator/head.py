@@ -22,7 +22,10 @@ One loop, top to bottom each turn:
      next trial is planned in what is left. Each trial left pending gets the
      reason it waits in state.db (`segctl status` shows it).
 Agents call back into the same actor (`started`, `ingest`, `checkpoint`), which
-makes this actor the collector: the stores' only writer. Time is the injected
+makes this actor the collector: the stores' only writer. The class has two
+halves in modules of their own, so that this one reads as the loop: api.py (the
+requests, from the CLI and from agents) and placement_turn.py (step 3, applying
+the placement policies). Time is the injected
 `clock` alone (a test's fake clock drives every decision that depends on it).
 
 No failure stops the loop. Each is charged to the smallest thing it belongs to:
@@ -40,14 +43,13 @@ import logging
 import logging.handlers
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
 import ray
 
-from segctl.schemas.defaults import DEFAULT_MARGIN, DEFAULT_SCALE, TELEMETRY_CALLS_PER_S, TELEMETRY_FLUSH_S
-from segctl.schemas.job import JobSpec
+from segctl.schemas.defaults import TELEMETRY_CALLS_PER_S, TELEMETRY_FLUSH_S
 from segctl.schemas.private import private_dir
 from segctl.schemas.records import (
     TERMINAL,
@@ -58,13 +60,14 @@ from segctl.schemas.records import (
     Outcome,
     SweepState,
     TrialState,
-    TuneState,
 )
 
-from . import asha, fairshare, measured, outcomes, placement, planner, probing
-from .intake import check_payload, error_line, keep_inputs, read_input
+from . import outcomes, placement, probing
+from .api import HeadAPI
+from .intake import error_line, read_input
+from .placement_turn import PlacementTurn
 from .snapshot import Trial
-from .state import State, attempt_of, sweep_record, trial_of
+from .state import State, attempt_of, sweep_record
 from .stores import Stores
 from .trackers import HeadStreams
 
@@ -75,8 +78,6 @@ FILE_S = 0.5          # a turn files ended attempts for this long at most, then 
 # be filed; past this, a result stays in Ray's object store (which spills to disk)
 # until its turn to be filed.
 UNFILED_BYTES = 256 << 20
-WAITING_WHOLE_UPTO = 2000  # pending trials whose reasons to wait are written every turn
-WAITING_EVERY_S = 1.0  # past that, why every pending trial waits is written this often
 NODES_EVERY_S = 1.0
 # Ray's ways of saying "the worker or node that held this attempt is gone".
 LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
@@ -92,7 +93,7 @@ class Flight(NamedTuple):
     result: object   # the ref of its AttemptResult (its end time's ref is the key)
 
 
-class Controller:
+class Controller(HeadAPI, PlacementTurn):
     """`list_nodes`, `spawn_agent`, `clock`, `wait` and `get` are how it reaches the
     world (Ray's node table, agent actors, time, ray.wait, ray.get): tests pass
     fakes to drive it through failures turn by turn."""
@@ -127,177 +128,6 @@ class Controller:
         self.waiting = self.state.waiting()    # trial -> why it waits, as state.db has it
         self.waiting_noted = (float("-inf"), None)   # (when, (sweeps, nodes)) all were last
         self.recover()
-
-    # ------------------------------------------------------------ requests
-    def submit(self, payload: dict) -> str:
-        """payload: name, path, spec (the sweep file as a dict, plus `planner`),
-        trials [{index, name, params, job, model_info, seq_len, inputs: {file: sha}}],
-        blobs {sha: bytes} (the data files, shipped from the submitting machine)."""
-        sweep = check_payload(payload)
-        keep_inputs(self.root / "inputs", payload["blobs"])
-        with self.mu:
-            sid = self.state.add_sweep(sweep["name"], sweep["path"], sweep["spec"],
-                                       sweep["trials"])
-        self.wake.set()
-        return sid
-
-    def cancel(self, target: str) -> list[str]:
-        """Cancel a sweep (every trial not yet finished) or one trial."""
-        with self.mu:
-            sweep = self.state.sweep(target)
-            if sweep is not None:
-                trials = self.state.trials(target)
-            elif self.state.trial(target) is not None:
-                trials = [self.state.trial(target)]
-            else:
-                raise KeyError(f"no sweep or trial named {target!r}")
-            done = []
-            for t in trials:
-                if t["state"] in TERMINAL:
-                    continue
-                tid = t["id"]
-                self.state.move(tid, TrialState.CANCELLED, "cancelled by user")
-                done.append(tid)
-                self._cancel_attempts(tid)
-            if sweep is not None:
-                self.state.set_sweep_state(target, SweepState.CANCELLED, "cancelled by user")
-            else:
-                self._maybe_done(self.state.trial(target)["sweep"])
-            return done
-
-    def _cancel_attempts(self, tid: str) -> None:
-        """Ask the agents running trial `tid`'s attempts to end them (each comes back
-        through `finish`, which finds its trial terminal already)."""
-        for a in self.state.open_attempts(tid):
-            agent = self.agents.get(a["node"])
-            if agent is not None:
-                agent.cancel.remote(a["id"])
-
-    def resume(self, sid: str) -> dict:
-        with self.mu:
-            s = self.state.sweep(sid)
-            if s is None:
-                raise KeyError(f"no sweep named {sid!r}")
-            self.reseal(sid)   # results a failed store write left behind
-            if s["state"] == SweepState.INTERRUPTED:
-                self.state.set_sweep_state(sid, SweepState.RUNNING, "resumed by user")
-                self.wake.set()
-            return {"sweep": sid, "state": self.state.sweep(sid)["state"],
-                    "unfinished": self.state.unfinished(sid)}
-
-    def tune(self, request: dict) -> str:
-        """request: model, model_key, model_name, n_layers, method, prefix_shared,
-        method_key, lora, head_chunk, attn_block, mlp_chunk, steps, classes {class: {budget_gb,
-        points [[seq_len, segment_size]], reused}}. Each class's points run on one
-        free node of that class, ahead of pending trials. The tune lives in state.db:
-        a head that restarts goes on with it."""
-        with self.mu:
-            tid = self.state.add_tune(request)
-        self.wake.set()
-        return tid
-
-    def tune_status(self, tid: str) -> dict:
-        with self.mu:
-            t = self.state.tune(tid)
-        if t is None:
-            raise KeyError(f"no tune named {tid!r}")
-        shown = ("state", "node", "budget_gb", "done", "fits", "reused", "error")
-        return {"tune": tid, "started": t["started"], "state": t["state"], "classes": {
-            cls: {k: c[k] for k in shown} | {"total": len(c["points"])}
-            for cls, c in t["classes"].items()}}
-
-    def cancel_tune(self, tid: str) -> None:
-        """Stop a tune: queued classes never start, running probe processes end;
-        every point already measured stays in the plan table."""
-        with self.mu:
-            for c in self.state.tune_classes(tid, TuneState.QUEUED):
-                self.state.move_tune_class(tid, c["node_class"], TuneState.CANCELLED)
-            for c in self.state.tune_classes(tid, TuneState.RUNNING):
-                if c["node"] in self.agents:
-                    self.agents[c["node"]].cancel.remote(f"tune:{tid}")
-
-    def record_probe(self, tid: str, node: str, event: dict) -> None:
-        """A node measured one point: its row goes into the plan table at once."""
-        with self.mu:
-            t, entry = self.state.tune(tid), self.state.tune_class_on(tid, node)
-            if t is None or entry is None:
-                raise KeyError(f"tune {tid!r} has no class measured on {node}")
-            req, cls = t["request"], entry["node_class"]
-            info = self.nodes.get(node)
-            row = probing.point_row(tid, req, cls, node, info.chip if info else cls.split("/")[0],
-                                    entry["budget_gb"], event)
-            self.stores.put_probe(req["model_key"], row)
-            self.state.count_probe(tid, cls, event["fits"])
-            # plans made before this measurement are stale
-            self.fitted.pop(req["model_key"], None)
-            self.plans.clear()
-
-    # ------------------------------------------------------------ from agents
-    def started(self, aid: int, pid: int, t: float) -> None:
-        with self.mu:
-            a = self.state.attempt(aid)
-            if a is None or a["status"] != AttemptStatus.PLACED:
-                return
-            trial = self.state.trial(a["trial"])
-            self.state.update_attempt(aid, status=AttemptStatus.RUNNING.value, started=t, pid=pid,
-                                      dispatch_s=t - a["ready"])
-            if trial["state"] == TrialState.PLACED:
-                self.state.move(a["trial"], TrialState.RUNNING,
-                                f"engine process {pid} started on {a['node']}", attempt=aid)
-
-    def ingest(self, aid: int, events: list[dict]) -> int:
-        # The stores and state.db lock for themselves: a batch goes in without waiting
-        # for `mu`, which the controller holds while it files ended attempts (their
-        # adapters and Parquet files). Only a decision (asha) takes it.
-        a = self.state.attempt(aid)
-        new = self.stores.ingest(a["sweep"], a["trial"], aid, events)
-        steps = [e for e in events if e.get("event") == "step"]
-        if steps:
-            last = steps[-1]
-            peak = max([a["peak_gb"] or 0.0] + [e["peak_gb"] for e in steps])
-            self.state.update_attempt(aid, step=last["step"], loss=last["loss"], peak_gb=peak)
-        evals = [e for e in events if e.get("event") == "eval"]
-        if evals:
-            with self.mu:
-                self.guarded(f"attempt {aid}: asha at its evals", self.judge, a, evals)
-        self.guarded(f"attempt {aid}: its trackers", self.trackers.feed, a, events,
-                     lambda: self.state.trial(a["trial"]))
-        return new
-
-    def judge(self, a, evals: list[dict]) -> None:
-        """Early stopping (asha.py) at attempt `a`'s evals: each value at a rung is
-        recorded in state.db with its decision, in one transaction; a stopped
-        trial's attempt is cancelled through its agent."""
-        scheduler = self.state.scheduler(a["sweep"])
-        if scheduler is None:
-            return
-        rungs, tid = scheduler.rungs(), a["trial"]
-        for e in evals:
-            if e["step"] not in rungs:   # most evals: no rung, nothing to read
-                continue
-            value = float(e["val_loss"])
-            d = asha.judge(scheduler, tid, e["step"], value,
-                           self.state.rung_values(a["sweep"], e["step"]),
-                           finished=self.state.trial(tid)["state"] in TERMINAL)
-            if d is None:
-                continue
-            stop = d.reason if isinstance(d, asha.Stop) else None
-            if self.state.record_rung(a["sweep"], d.rung, tid, d.value, attempt=a["id"],
-                                      stop=stop) and stop:
-                self._cancel_attempts(tid)
-                self._maybe_done(a["sweep"])
-                return
-
-    def checkpoint(self, aid: int, step: int, files: dict[str, bytes]) -> None:
-        a = self.state.attempt(aid)   # no `mu`: the stores lock for themselves (see ingest)
-        self.stores.put_checkpoint(a["sweep"], a["trial"], aid, step, files)
-
-    def model_folder(self, path: str) -> str:
-        """A node asks for a model it does not have: only a model some trial trains
-        is served (the token keeps strangers out; this keeps nodes to their business)."""
-        if self.state.serves_model(path):
-            return path
-        raise PermissionError(f"{path}: not the model of any trial")
 
     # ------------------------------------------------------------ the loop
     def run_forever(self, stop: threading.Event) -> None:
@@ -426,191 +256,12 @@ class Controller:
                 came = True
         return came
 
-    # ------------------------------------------------------------ placement
-    def takes_work(self, n: NodeInfo) -> bool:
-        """Whether node `n` can start one more attempt (placement.takes_work)."""
-        return placement.takes_work(n, self.held, n.name in self.agents)
-
+    # ------------------------------------------------------------ starting what placement chose
     def flush_s(self) -> float:
         """How often an attempt's agent forwards its telemetry: TELEMETRY_FLUSH_S, or
         longer so that every attempt the fleet can run at once sends about
         TELEMETRY_CALLS_PER_S batches a second in all."""
         return max(TELEMETRY_FLUSH_S, self.slots() / TELEMETRY_CALLS_PER_S)
-
-    def slots(self) -> int:
-        """Attempts the fleet can run at once."""
-        return sum(n.max_trials for n in self.nodes.values())
-
-    def spare(self, n: NodeInfo) -> float:
-        """GB of node `n`'s budget no running attempt holds."""
-        return placement.spare(n, self.held)
-
-    def place(self) -> None:
-        """Free nodes to pending trials: a tune's probes first, then trial by trial in
-        the order of fairshare.next_sweep (priority, then fair share among equals, then
-        each sweep's own order), each where placement.place_trial says. Every pending
-        trial left has its reason in state.db."""
-        free = [n for n in self.nodes.values() if self.takes_work(n)]
-        free = self._place_probes(free)
-        # What each sweep runs is what it has in flight: an attempt that ended this turn
-        # frees its share before its trial's end is filed.
-        runs = Counter(f.sweep for f in self.inflight.values())
-        sweeps, turn = {}, []
-        for s in self.state.running_sweeps():
-            try:   # a row an older or hostile writer left unusable fails its sweep alone
-                spec = sweep_record(s)
-                created = float(s["created"])
-            except Exception as e:
-                self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: reading it from state.db", e))
-                continue
-            sweeps[s["id"]] = spec
-            turn.append(fairshare.Contender(
-                sweep=s["id"], priority=spec["priority"], share=spec["share"],
-                created=created, cap=spec["concurrency"],
-                pending=self.state.count_trials(s["id"], [TrialState.PENDING]),
-                running=runs[s["id"]],
-                served=self.served.get(s["id"], 0)))
-        # A sweep can have 20,000 pending trials and a turn places a few: their ids
-        # are read a page at a time as the turn gets to them, and a whole row (its
-        # job, its model) only for a trial it tries. Why each of the others waits is
-        # written every turn up to WAITING_WHOLE_UPTO pending trials; past that, once
-        # a second, or at once when the sweeps or nodes change.
-        now = self.clock()
-        shape = (frozenset(sweeps), frozenset(self.nodes))
-        whole = placement.every_reason_due(sum(c.pending for c in turn), shape,
-                                           self.waiting_noted, now, upto=WAITING_WHOLE_UPTO,
-                                           every_s=WAITING_EVERY_S)
-        pending = {sid: _PendingIds(self.state, sid, whole) for sid in sweeps}
-        why: dict[str, str] = {}   # trial -> why it waits, for those tried and not placed
-        tried: dict[str, str] = {}   # trial -> its sweep
-        eligible: dict = {}   # the nodes a placement may use, found once a turn
-        while free and (c := fairshare.next_sweep(turn)) is not None:
-            tid = pending[c.sweep][c.tried]
-            c.tried += 1
-            tried[tid] = c.sweep
-            try:
-                why[tid] = self._place_trial(sweeps[c.sweep], self.state.trial_record(tid), free,
-                                             eligible)
-            except Exception as e:   # this sweep cannot be planned: it fails, the others go on
-                self.fail_sweep(c.sweep, self.fault(f"sweep {c.sweep}: placing it", e))
-                turn.remove(c)
-                continue
-            if why[tid] is None:
-                c.running += 1
-                c.placed += 1
-                self.placements += 1
-                self.served[c.sweep] = self.placements
-        if not whole:   # only the trials this turn tried
-            self._note_waiting({t: (tried[t], r) for t, r in why.items() if r}, looked_at=tried)
-            return
-        self._note_waiting(placement.waiting_reasons(
-            turn, {c.sweep: pending[c.sweep].all() for c in turn}, why, nodes=len(self.nodes),
-            slots=self.slots()))
-        self.waiting_noted = (now, shape)
-
-    def _note_waiting(self, waiting: dict[str, tuple[str, str]],
-                      looked_at=None) -> None:
-        """Write to state.db the reasons that changed since the last placement (most
-        trials wait for the same reason turn after turn); see placement.waiting_changes."""
-        changed, gone = placement.waiting_changes(self.waiting, waiting, looked_at)
-        if changed or gone:
-            self.state.note_waiting(changed, gone)
-            if looked_at is None:
-                self.waiting = {t: v[1] for t, v in waiting.items()}
-            else:
-                for t in gone:
-                    del self.waiting[t]
-                self.waiting.update({t: v[1] for t, v in changed.items()})
-
-    def _place_trial(self, spec: dict, t: Trial, free: list[NodeInfo],
-                     eligible: dict) -> str | None:
-        """Apply placement.place_trial for trial `t` of a sweep (`spec`: its
-        sweep_record): start it on the node chosen (taking the node out of `free`
-        once it is full), fail it, or return why it waits. None when it went; ''
-        when it failed. `eligible`: the turn's cache for placement.eligible."""
-        knobs = spec.get("planner") or {}
-        margin = knobs.get("margin", DEFAULT_MARGIN)
-        d = placement.place_trial(
-            t, self.state.last_attempt_record(t.id), placement=spec.get("placement") or {},
-            margin=margin, nodes=self.nodes, free=free, held=self.held, cache=eligible,
-            plan=lambda n, budget_gb: (self._plan(t, n, knobs) if budget_gb is None else
-                                       self._plan_now(t, n, knobs, budget_gb=budget_gb)))
-        if isinstance(d, placement.Wait):
-            return d.reason
-        if isinstance(d, placement.Fail):
-            self.state.move(t.id, TrialState.FAILED, d.reason, message=d.reason)
-            self._maybe_done(t.sweep)
-            return ""
-        self.dispatch(t, d)
-        if not self.takes_work(d.node):
-            free.remove(d.node)
-        return None
-
-    def fail_sweep(self, sid: str, reason: str) -> None:
-        """The sweep cannot go on: its trials that have not started fail with the
-        reason, running ones finish, and nothing more of it is placed."""
-        for t in self.state.trials(sid, TrialState.PENDING):
-            self.state.move(t["id"], TrialState.FAILED, reason, message=reason)
-        self.state.set_sweep_state(sid, SweepState.FAILED, reason)
-
-    def _place_probes(self, free: list[NodeInfo]) -> list[NodeInfo]:
-        """Start the probes probing.assign gives a node, fail the classes it finds
-        no node for; returns the nodes left free. Probes go first: what they
-        measure plans the trials."""
-        queued = [probing.Queued(c["tune"], c["node_class"], c["request"], c["points"], c["done"])
-                  for c in self.state.queued_tune_classes()]
-        decisions, left = probing.assign(queued, free, self.nodes, self.held)
-        for d in decisions:
-            if isinstance(d, probing.NoNode):
-                self.state.move_tune_class(d.tune, d.node_class, TuneState.FAILED, error=d.error)
-                continue
-            ref = self.agents[d.node].probe.remote(d.tune, d.spec)
-            self.probing[ref] = (d.tune, d.node_class, d.node)
-            self.held[d.node] = {f"tune:{d.tune}": float("inf")}   # probes measure a whole node
-            self.state.move_tune_class(d.tune, d.node_class, TuneState.RUNNING, node=d.node)
-        return left
-
-    def _probed(self, ref) -> None:
-        tid, cls, node = self.probing.pop(ref)
-        try:
-            result = self.get(ref)
-        except LOST as e:
-            result = {"error": f"node {node} lost ({type(e).__name__})"}
-            self.agents.pop(node, None)
-        except Exception as e:   # the agent failed (or the head refused a point): that class fails
-            result = {"error": self.fault(f"tune {tid}: probes of {cls} on {node}", e)}
-        with self.mu:
-            self.held.get(node, {}).pop(f"tune:{tid}", None)
-            self.free_since[node] = self.clock()
-            error = result.get("error") or ""
-            self.state.move_tune_class(tid, cls, probing.ended(error), error=error)
-
-    def _plan(self, t: Trial, node: NodeInfo, knobs: dict):
-        # a plan depends on the node only through its class (chip and budget): one per
-        # class, not one per node, or a fleet of N alike nodes plans each trial N times
-        key = (t.id, *placement.plan_class(node), t.max_segment)
-        if key not in self.plans:
-            self.plans[key] = self._plan_now(t, node, knobs)
-        return self.plans[key]
-
-    def _plan_now(self, t: Trial, node: NodeInfo, knobs: dict, budget_gb: float | None = None):
-        """The planner's answer for trial `t` (a Trial, or its state.db row) on `node`."""
-        if not isinstance(t, Trial):
-            t = trial_of(t)
-        job = JobSpec.model_validate(t.job)
-        info = planner.ModelInfo.from_dict(t.model_info)
-        return planner.plan(info, job, seq_len=t.seq_len,
-                            budget_gb=node.memory_gb if budget_gb is None else budget_gb,
-                            margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", DEFAULT_SCALE),
-                            below=t.max_segment,
-                            measured=self._measured(info, job, node.node_class))
-
-    def _measured(self, info, job: JobSpec, node_class: str):
-        """The tuned memory model for this trial on this class, if one was measured."""
-        key = planner.model_key(info)
-        if key not in self.fitted:
-            self.fitted[key] = measured.models_of(measured.read_plan(self.root, key))
-        return self.fitted[key].get(planner.tune_key(job, node_class))
 
     def dispatch(self, t: Trial, d: placement.Place) -> None:
         """Start the attempt placement decided (`d`: the node, the plan, what the
@@ -655,6 +306,21 @@ class Controller:
                                                   message=line))
         self.inflight[ended] = Flight(aid, node.name, t.sweep, result)
         self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
+
+    def _probed(self, ref) -> None:
+        tid, cls, node = self.probing.pop(ref)
+        try:
+            result = self.get(ref)
+        except LOST as e:
+            result = {"error": f"node {node} lost ({type(e).__name__})"}
+            self.agents.pop(node, None)
+        except Exception as e:   # the agent failed (or the head refused a point): that class fails
+            result = {"error": self.fault(f"tune {tid}: probes of {cls} on {node}", e)}
+        with self.mu:
+            self.held.get(node, {}).pop(f"tune:{tid}", None)
+            self.free_since[node] = self.clock()
+            error = result.get("error") or ""
+            self.state.move_tune_class(tid, cls, probing.ended(error), error=error)
 
     # ------------------------------------------------------------ outcomes
     def finish(self, aid: int, r: AttemptResult) -> None:
@@ -785,32 +451,3 @@ def head_log(root: Path) -> logging.Logger:
         log.setLevel(logging.INFO)
         log.propagate = False
     return log
-
-
-class _PendingIds:
-    """The ids of a sweep's pending trials in its order, read from state.db a page
-    at a time as a turn indexes them (all at once when `whole`)."""
-    PAGE = 256
-
-    def __init__(self, state, sid: str, whole: bool):
-        self.state, self.sid = state, sid
-        self.ids, self.last, self.done = [], -1, False
-        if whole:
-            self.all()
-
-    def _more(self, limit: int) -> None:
-        rows = self.state.pending_ids(self.sid, after=self.last, limit=limit)
-        self.ids += [tid for tid, _ in rows]
-        if rows:
-            self.last = rows[-1][1]
-        self.done = limit < 0 or len(rows) < limit
-
-    def __getitem__(self, i: int) -> str:
-        while i >= len(self.ids) and not self.done:
-            self._more(self.PAGE)
-        return self.ids[i]
-
-    def all(self) -> list[str]:
-        if not self.done:
-            self._more(-1)
-        return self.ids

@@ -72,7 +72,7 @@ def probe_spec(c: Queued, node: NodeInfo) -> ProbeSpec:
 
 def ended(error: Optional[str]) -> TuneState:
     """A class's state once its probe ended with `error` ('' or None: none;
-    "cancelled": node/probes.py's word for a cancel)."""
+    "cancelled": node/tune_runner.py's word for a cancel)."""
     error = error or ""
     return (TuneState.CANCELLED if error == TuneState.CANCELLED.value else
             TuneState.FAILED if error else TuneState.DONE)
@@ -81,7 +81,7 @@ def ended(error: Optional[str]) -> TuneState:
 def point_row(tune: str, request: dict, node_class: str, node: str, chip: str,
               budget_gb: float, event: dict) -> dict:
     """The plan table's row for one point a node measured (`event`, from
-    node/probes.py) under tune `tune`'s `request`."""
+    node/tune_runner.py) under tune `tune`'s `request`."""
     lora = request["lora"]
     return dict(tune=tune, time=event["time"], model_name=request["model_name"],
                 n_layers=request["n_layers"], method=request["method_key"],

@@ -263,11 +263,11 @@ def test_step_tokens_is_the_packed_micro_batch_or_its_rows_side_by_side():
 
 def test_step_tokens_bounds_the_engines_packed_sequences(demo_dir):
     """The engine packs a micro-batch's rows first-fit, longest first, into
-    sequences of at most pack_length (engine/step.py first_fit): whichever rows make
+    sequences of at most pack_length (engine/plans.py first_fit): whichever rows make
     the micro-batch, no sequence is longer than step_tokens."""
     import random
 
-    from segctl.engine.step import first_fit
+    from segctl.engine.plans import first_fit
     base = load_job(demo_dir / "job.yaml")
     lengths = planner.row_lengths(base)
     assert planner.longest_row(base, lengths) == planner.longest_row(base) == lengths.streams[0]

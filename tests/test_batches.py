@@ -13,16 +13,8 @@ import pytest
 from segctl.engine import Example, PreferenceExample, loss_and_grads
 from segctl.engine.attention import BlockMask
 from segctl.engine.model import model_parts
-from segctl.engine.step import (
-    RowPlan,
-    Stream,
-    first_fit,
-    make_plans,
-    pack_refusal,
-    side_groups,
-    side_refusal,
-    supervised_tokens,
-)
+from segctl.engine.plans import RowPlan, Stream, first_fit, make_plans, side_groups
+from segctl.engine.step import pack_refusal, side_refusal, supervised_tokens
 from tests.conftest import assert_one_line_error, edit_job, segctl
 from tests.test_step import lora_model, worst_rel_error
 
@@ -250,7 +242,7 @@ def test_bad_batch_settings_are_one_line_at_validate(demo_dir, tmp_path, train, 
 def test_a_tune_probe_of_a_packing_job_measures_a_packed_step(tiny_models):
     """`segctl tune --job` of a job that packs its batch has its probes run that
     many rows packed into each point's length; a job that does not, one row."""
-    from segctl.engine.probe import run_probes
+    from segctl.engine.measure import run_probes
     from segctl.orchestrator.tune import pack_rows
     from segctl.schemas.job import JobSpec
     from segctl.schemas.records import ProbeSpec

@@ -12,6 +12,7 @@ import math
 import mlx.core as mx
 import pytest
 
+import segctl.engine.plans as plans
 import segctl.engine.step as step
 from segctl.engine.data import PreferenceExample
 from segctl.engine.model import load_model
@@ -156,7 +157,7 @@ def test_the_reference_pass_leaves_dropout_and_its_random_draws_alone(tiny_model
     model.train()
     ex = preference(model.args.vocab_size, seed=6)
     parts = step.model_parts(model, check=False)
-    streams, _ = step._preference_streams(ex, parts, True, False)
+    streams, _ = plans._preference_streams(ex, parts, True, False)
     mx.random.seed(11)
     sums = step.reference_sums(model, parts, streams, 512)
     after = mx.random.uniform(shape=(4,))
@@ -307,7 +308,7 @@ def test_dpo_is_planned_as_orpo_and_tuned_apart():
 def test_a_tune_probe_runs_dpo_steps(tiny_models):
     # what `segctl tune --method dpo` has a node run: the reference pass is a phase
     # of its own, fitted with the forward phases
-    from segctl.engine.probe import run_probes
+    from segctl.engine.measure import run_probes
     from segctl.orchestrator.measured import group_of
     from segctl.schemas.records import ProbeSpec
     seen: list = []

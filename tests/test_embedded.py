@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from segctl.node.probe import default_name, probe
+from segctl.node.hardware import default_name, probe
 from segctl.node.raynode import alive
 from segctl.schemas.states import TrialState
 

@@ -23,7 +23,7 @@ import pytest
 import ray
 
 from segctl.node import raynode
-from segctl.node.probe import Hardware, chip_name, default_name, probe, ray_env
+from segctl.node.hardware import Hardware, chip_name, default_name, probe, ray_env
 from segctl.orchestrator import fleet
 from segctl.schemas.cluster import ClusterSpec, HeadSpec, NodeSpec
 from tests.conftest import cli_env

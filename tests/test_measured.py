@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from segctl.engine.probe import synthetic_row
+from segctl.engine.measure import synthetic_row
 from segctl.orchestrator import measured, planner
 from segctl.orchestrator.stores import Stores
 from segctl.schemas.job import JobSpec

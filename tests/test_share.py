@@ -313,9 +313,10 @@ def test_a_large_backlog_is_read_a_page_at_a_time_and_its_reasons_follow(tmp_pat
     again within WAITING_EVERY_S, or at once when the sweeps change. Placement is the
     same: trials in their sweep's order, fair share between sweeps."""
     from segctl.orchestrator import head
-    monkeypatch.setattr(head, "WAITING_WHOLE_UPTO", 0)
-    monkeypatch.setattr(head, "WAITING_EVERY_S", 3600.0)
-    monkeypatch.setattr(head._PendingIds, "PAGE", 2)
+    from segctl.orchestrator import placement_turn as turn
+    monkeypatch.setattr(turn, "WAITING_WHOLE_UPTO", 0)
+    monkeypatch.setattr(turn, "WAITING_EVERY_S", 3600.0)
+    monkeypatch.setattr(turn._PendingIds, "PAGE", 2)
     reads = []
     original = head.State.pending_ids
     monkeypatch.setattr(head.State, "pending_ids",

@@ -324,7 +324,8 @@ def test_the_plain_reference_is_the_models_own_forward_and_nothing_leaks():
 def test_hand_written_attention_keeps_array_masks():
     # gemma2 computes its scores by hand (soft-capped), so it never sees a BlockMask.
     from segctl.engine.attention import takes_block_masks
-    from segctl.engine.step import Stream, _masks
+    from segctl.engine.plans import Stream
+    from segctl.engine.step import _masks
     gemma2 = importlib.import_module("mlx_lm.models.gemma2")
     layer = gemma2.TransformerBlock(gemma2.ModelArgs.from_dict(dict(
         model_type="gemma2", hidden_size=32, num_hidden_layers=1, intermediate_size=64,

@@ -139,7 +139,7 @@ def node_start(is_head, address, name, memory_gb, chip, labels, max_trials, port
                token_stdin):
     """Start Ray on this machine as the head (--head) or as a node of the head at
     HOST:PORT (--join), with this machine's chip, memory and labels."""
-    from segctl.node.probe import default_name, probe
+    from segctl.node.hardware import default_name, probe
     from segctl.orchestrator import fleet
     if is_head == bool(address):
         _fail("give exactly one of --head or --join HOST:PORT")

@@ -83,7 +83,7 @@ def plan(sweep_file: Path, cluster_file, as_json: bool):
 
 
 def _declared_nodes(spec):
-    from segctl.node.probe import default_name, probe
+    from segctl.node.hardware import default_name, probe
     from segctl.schemas.records import NodeInfo
     if spec is None:
         hw = probe()

@@ -84,7 +84,7 @@ def _resolve_auto(job, job_file):
     if job.memory.segment_size != "auto" and job.memory.offload != "auto":
         return job
     from segctl.engine.data import DataError
-    from segctl.node.probe import default_name, probe
+    from segctl.node.hardware import default_name, probe
     from segctl.orchestrator import measured, planner
     from segctl.schemas.records import NodeInfo
     try:

@@ -243,7 +243,7 @@ except Exception as e:
 NODE_TABLE = """
 import json, sys
 from segctl.node.raynode import gcs_nodes
-from segctl.node.probe import ray_env
+from segctl.node.hardware import ray_env
 try:
     nodes = gcs_nodes(sys.argv[1], ray_env(sys.argv[2]))
     print(json.dumps(sorted(n["ip"] for n in nodes if n["alive"])))
