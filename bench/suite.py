@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from bench.jsonl import read_rows
+
 CPU = dict(arch="qwen3", layers=8, dim=256, vocab=32000, dtype="float32", steps=3)
 QWEN3_06B = dict(arch="qwen3", layers=28, dim=1024, vocab=151936, dtype="bfloat16", steps=3)
 # Llama-3.1-8B's shape (untied, GQA 32/8 heads of 128), base model quantized to 4 bits:
@@ -324,28 +326,6 @@ def _read_rows(path: str) -> list[dict]:
         missing = [k for k in _SHAPE_KEYS if k not in row]
         return f"not a bench.engine row (no {', '.join(missing)})" if missing else None
     return read_rows(path, "bench.suite table", why_not)
-
-
-def read_rows(path: str, prog: str, why_not) -> list[dict]:
-    """The rows of a JSON-lines file; a line that is not a JSON object, or that
-    `why_not(row)` gives a reason against, is a one-line error (exit 2)."""
-    try:
-        lines = open(path).read().splitlines()
-    except OSError as e:
-        _fail(f"{prog}: {path}: {e.strerror}")
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            _fail(f"{prog}: {path}, line {n}: not JSON ({e})")
-        why = why_not(row) if isinstance(row, dict) else "not a JSON object"
-        if why:
-            _fail(f"{prog}: {path}, line {n}: {why}")
-        rows.append(row)
-    return rows
 
 
 def _fail(message: str) -> None:

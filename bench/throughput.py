@@ -470,7 +470,7 @@ def table(rows: list[dict]) -> str:
 
 
 def _read_rows(path: str) -> list[dict]:
-    from bench.suite import read_rows
+    from bench.jsonl import read_rows
     return read_rows(path, "bench.throughput table",
                      lambda row: None if row.get("bench") == "throughput"
                      else "not a bench.throughput row")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union, get_args
+from typing import Annotated, ClassVar, Literal, Optional, Union, get_args
 
 from pydantic import (
     AfterValidator,
@@ -275,6 +275,9 @@ def resolve_trackers(trackers: list[TrackerSpec], folder: Path) -> list[TrackerS
 
 
 class JobSpec(Strict):
+    # a key of mlx-lm's LoRA config in a job gets the segctl key to use (yamlspec)
+    mlx_lm_hints: ClassVar[bool] = True
+
     name: str = Field("job", pattern=NAME_PATTERN, max_length=MAX_NAME_CHARS,
                       description="letters, digits, '.', '_', '-'")
     method: Method = Field(

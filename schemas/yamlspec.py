@@ -167,9 +167,9 @@ def problem(path: str | Path, model: type[BaseModel], node, err: Mapping[str, An
 
 
 def _is_job(model) -> bool:
-    # only a job takes mlx-lm's keys' hints: in a cluster file they would mislead
-    from .job import JobSpec  # here: job.py imports this module
-    return model is JobSpec
+    # only a job takes mlx-lm's keys' hints (JobSpec says so): in a cluster file
+    # they would mislead
+    return bool(getattr(model, "mlx_lm_hints", False))
 
 
 def mlx_lm_says(word: str) -> str | None:
