@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple
 
-from segctl.schemas.sweep import SchedulerSpec
+from segctl.schemas.search import SchedulerSpec
 
 
 class Record(NamedTuple):

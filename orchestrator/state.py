@@ -33,6 +33,7 @@ from segctl.schemas.cluster import PlannerSpec
 from segctl.schemas.errors import UserError
 from segctl.schemas.limits import one_line
 from segctl.schemas.private import private_dir, private_file
+from segctl.schemas.search import SchedulerSpec
 from segctl.schemas.states import (
     ATTEMPT_MOVES,
     MOVES,
@@ -45,7 +46,7 @@ from segctl.schemas.states import (
     TrialState,
     TuneState,
 )
-from segctl.schemas.sweep import SchedulerSpec, SweepSpec
+from segctl.schemas.sweep import SweepSpec
 
 from .snapshot import Attempt, Trial
 

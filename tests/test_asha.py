@@ -17,8 +17,9 @@ from segctl.orchestrator.head import Controller
 from segctl.orchestrator.views import console, trials_table
 from segctl.schemas.errors import SpecError
 from segctl.schemas.records import AttemptResult, AttemptSpec
+from segctl.schemas.search import SchedulerSpec
 from segctl.schemas.states import Outcome, SweepState, TrialState
-from segctl.schemas.sweep import SchedulerSpec, load_sweep
+from segctl.schemas.sweep import load_sweep
 from tests.conftest import assert_one_line_error, segctl
 from tests.test_controller import live, payload, reasons, sweep_of  # noqa: F401 (fixture)
 from tests.test_head_isolation import World, adapter_dir, sweep_state, trials  # noqa: F401

@@ -23,8 +23,9 @@ from segctl.engine.data import DataError, load_dataset
 from segctl.schemas import SpecError
 from segctl.schemas.cluster import ClusterSpec, HeadSpec, NodeSpec, PlannerSpec, load_cluster
 from segctl.schemas.job import JobSpec, load_job
+from segctl.schemas.search import DISTRIBUTIONS, RandomSpec
 from segctl.schemas.spec import load_spec
-from segctl.schemas.sweep import DISTRIBUTIONS, RandomSpec, SweepSpec, job_keys, load_sweep
+from segctl.schemas.sweep import SweepSpec, job_keys, load_sweep
 from tests.hostile.cases import CLUSTER, JOB, SWEEP, Case, lay_out
 
 # 500 examples a test keep the module near 10 s on 2 cores; a case past 5 s is a failure.

@@ -12,7 +12,7 @@ import pytest
 from segctl.orchestrator import asha, outcomes, placement, probing
 from segctl.orchestrator.snapshot import Attempt, Trial
 from segctl.schemas.records import AttemptResult, NodeInfo, Outcome, Plan, TrialState, TuneState
-from segctl.schemas.sweep import SchedulerSpec
+from segctl.schemas.search import SchedulerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("placement", "outcomes", "asha", "probing", "fairshare", "snapshot")
