@@ -219,9 +219,7 @@ def side_stream(group: list[RowPlan], align: int = 1) -> Stream:
     columns, side by side)."""
     streams = [(k, s) for k, r in enumerate(group) for s in r.streams]
     L = _aligned(max(len(s.ids) for _, s in streams), align)
-    cols = [0]
-    for r in group:
-        cols.append(cols[-1] + r.sums)
+    cols = _sum_cuts(group)
     ids: list = []
     rows, targets, members = [], [], []
     for b, (k, s) in enumerate(streams):
@@ -271,13 +269,19 @@ def packed_stream(streams: list[Stream]) -> Stream:
     return Stream(ids, rows, targets, mx.concatenate(members), runs, None, tuple(units))
 
 
+def _sum_cuts(group: list[RowPlan]) -> list[int]:
+    """Where each row's sums start among the group's, side by side, and the end."""
+    cuts = [0]
+    for r in group:
+        cuts.append(cuts[-1] + r.sums)
+    return cuts
+
+
 def _join(group: list[RowPlan], streams: list[Stream], total: int, method: str,
           reference) -> LossPlan:
     """The plan of `group`'s rows over `streams` (their sums side by side, in the
     group's order), its loss divided by `total`."""
-    cuts = [0]
-    for r in group:
-        cuts.append(cuts[-1] + r.sums)
+    cuts = _sum_cuts(group)
     ref = None
     if method == "dpo":
         if reference is None:

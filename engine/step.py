@@ -214,23 +214,9 @@ def _pack_refusal(parts: ModelParts) -> str | None:
         return ("its layers keep their positions outside a `rope` module, so a packed row "
                 "cannot restart at position 0")
     rows = [[(7 * i + 3) % 31 + 1 for i in range(n)] for n in (6, 9)]
-    alone = [_all_rows(r) for r in rows]
-    try:
-        packed = packed_stream(alone)
-        got = _nograd_sums(parts, [packed], DEFAULT_HEAD_CHUNK)
-        want = mx.concatenate([_nograd_sums(parts, [s], DEFAULT_HEAD_CHUNK) for s in alone])
-        err, size = float(mx.max(mx.abs(got - want))), float(mx.max(mx.abs(want)))
-    except Exception as e:  # a family whose attention refuses the packed mask
-        return f"its forward does not take a packed mask ({type(e).__name__}: {e})"
-    return _differs(parts, err, size,
-                    "two rows packed into one sequence give other log-probs than apart")
-
-
-def _differs(parts, err: float, size: float, what: str) -> str | None:
-    half = parts.embed(mx.array([[1]])).dtype in (mx.float16, mx.bfloat16)
-    if not math.isfinite(err) or err > (2e-2 if half else 1e-3) * max(size, 1.0):
-        return f"{what} (max difference {err:.3g})"
-    return None
+    return _same_as_apart(parts, rows, packed_stream,
+                          "its forward does not take a packed mask",
+                          "two rows packed into one sequence give other log-probs than apart")
 
 
 def side_refusal(parts: ModelParts) -> str | None:
@@ -245,16 +231,26 @@ def side_refusal(parts: ModelParts) -> str | None:
 
 def _side_refusal(parts: ModelParts) -> str | None:
     rows = [[(5 * i + 2) % 29 + 1 for i in range(n)] for n in (9, 6)]
+    beside = lambda streams: side_stream([RowPlan([s], lambda s, ref: s[0], 1) for s in streams])
+    return _same_as_apart(parts, rows, beside, "its forward does not take rows side by side",
+                          "two rows side by side give other log-probs than apart")
+
+
+def _same_as_apart(parts, rows: list[list[int]], together: Callable, refused: str,
+                   differs: str) -> str | None:
+    """None when `rows` run as `together(their streams)` give every row's log p as
+    they do apart (within the model dtype's rounding), else why not."""
     alone = [_all_rows(r) for r in rows]
     try:
-        plans = [RowPlan([s], lambda s, ref: s[0], 1) for s in alone]
-        side = side_stream(plans)
-        got = _nograd_sums(parts, [side], DEFAULT_HEAD_CHUNK)
+        got = _nograd_sums(parts, [together(alone)], DEFAULT_HEAD_CHUNK)
         want = mx.concatenate([_nograd_sums(parts, [s], DEFAULT_HEAD_CHUNK) for s in alone])
         err, size = float(mx.max(mx.abs(got - want))), float(mx.max(mx.abs(want)))
-    except Exception as e:  # a family whose forward refuses a batch
-        return f"its forward does not take rows side by side ({type(e).__name__}: {e})"
-    return _differs(parts, err, size, "two rows side by side give other log-probs than apart")
+    except Exception as e:  # a family whose forward refuses the layout
+        return f"{refused} ({type(e).__name__}: {e})"
+    half = parts.embed(mx.array([[1]])).dtype in (mx.float16, mx.bfloat16)
+    if not math.isfinite(err) or err > (2e-2 if half else 1e-3) * max(size, 1.0):
+        return f"{differs} (max difference {err:.3g})"
+    return None
 
 
 def _all_rows(ids: list[int]) -> Stream:
@@ -577,9 +573,10 @@ def _head_pass(parts, h, stream: Stream, chunk: int):
 
 def _head_logp(parts, h, stream: Stream, chunk: int) -> mx.array:
     rows, targets = mx.array(stream.rows), mx.array(stream.targets, dtype=mx.int32)
+    h = h.reshape(-1, h.shape[-1])   # side by side, rows index the sequences one after another
     out = []
     for i in range(0, len(stream.rows), chunk):
-        out.append(_chunk_logp(parts, targets[i:i + chunk])(h.reshape(-1, h.shape[-1])[rows[i:i + chunk]]))
+        out.append(_chunk_logp(parts, targets[i:i + chunk])(h[rows[i:i + chunk]]))
         mx.eval(out[-1])
     return mx.concatenate(out)
 
