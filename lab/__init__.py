@@ -43,8 +43,6 @@ every host from an empty home; `down` leaves the folders for post-mortems
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import ipaddress
 import json
 import os
@@ -52,16 +50,17 @@ import pwd
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from segctl.node.raynode import alive, is_ours, start_time
 from segctl.schemas.atomic import write_atomic
+
+from . import system
+from .system import LabError, NotALab
 
 LAB_ROOT = Path("/var/lib/segctl-lab")
 REPO = Path(__file__).resolve().parent.parent
@@ -85,15 +84,6 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 START_TIMEOUT_S = 15
 STOP_TIMEOUT_S = 5
 TOOLS = ("ip", "unshare", "nsenter", "setsid", "ssh", "ssh-keygen", "mount")
-
-
-class LabError(RuntimeError):
-    """A lab could not be made or unmade; the message is one line."""
-
-
-class NotALab(LabError):
-    """The folder named is not a lab's (bad input): refused before anything in it
-    was touched."""
 
 
 @dataclass(frozen=True)
@@ -144,9 +134,9 @@ def why_not() -> str | None:
     # `true` that holds them)
     probe = subprocess.run(["unshare", "--net", "--mount", "--uts", "--pid", "--fork",
                             "--mount-proc", "true"],
-                           capture_output=True, text=True, env=_unthreaded_env())
+                           capture_output=True, text=True, env=system.unthreaded_env())
     if probe.returncode != 0:
-        return f"cannot make namespaces here: {_last_line(probe.stderr)}"
+        return f"cannot make namespaces here: {system.last_line(probe.stderr)}"
     return None
 
 
@@ -161,7 +151,7 @@ def up(n: int, root: Path | str = LAB_ROOT) -> Lab:
     reason = why_not()
     if reason:
         raise LabError(reason)
-    with _locked(root):
+    with system.locked(root):
         before = _refuse_if_up(root)
         hosts = [_plan(root, i) for i in range(1, n + 1)]
         made = sorted({*FILES, *(h.name for h in hosts)})
@@ -171,7 +161,7 @@ def up(n: int, root: Path | str = LAB_ROOT) -> Lab:
         # (or this function's own rollback) knows every name it may have to remove,
         # and a later `up` every folder it may replace (the old lab's too, until gone)
         state = {"made_by": MADE_BY, "up": True, "n": n, "bridge": BRIDGE,
-                 "made_netns_dir": not _is_mount(NETNS_DIR),
+                 "made_netns_dir": not system.is_mount(NETNS_DIR),
                  "made": sorted({*made, *replaced}), "hosts": [_host_record(h) for h in hosts]}
         _write_state(root, state)
         try:
@@ -183,7 +173,7 @@ def up(n: int, root: Path | str = LAB_ROOT) -> Lab:
                 _start_sshd(root, h, hosts)
             hosts = [_wait_sshd(root, h) for h in hosts]   # booting side by side
         except BaseException as e:
-            why = str(e) if isinstance(e, LabError) else f"lab up failed: {_one_line(e)}"
+            why = str(e) if isinstance(e, LabError) else f"lab up failed: {system.one_line(e)}"
             try:
                 _down(root)   # KeyboardInterrupt too: a half-made lab is never left behind
             except LabError as left:
@@ -202,7 +192,7 @@ def down(root: Path | str = LAB_ROOT) -> None:
     state = _read_state(root)     # NotALab for a lab.json not ours, before the lock touches ROOT
     if state is None or not state["up"]:
         return
-    with _locked(root):
+    with system.locked(root):
         _down(root)
 
 
@@ -212,7 +202,7 @@ def restart_host(lab: Lab, name: str) -> Host:
     disk, home and /tmp, stay): a fresh sshd as `up` starts one, in the same
     network namespace. Returns the host with its new sshd, which lab.json and
     `lab.hosts` now record. Refuses while anything still runs in the host."""
-    with _locked(lab.root):
+    with system.locked(lab.root):
         state = _read_state(lab.root)
         i = next((k for k, h in enumerate(state["hosts"]) if h["name"] == name), None)
         if i is None:
@@ -351,7 +341,7 @@ def _refuse_clashes(root: Path, made: list[str], replaced: list[str]) -> None:
         raise NotALab(f"{root / theirs[0]} is not the lab's ({STATE} does not record it); "
                       "move it away or name another folder")
     for name in replaced:
-        mounted = [m for m in _mountpoints() if m == root / name or root / name in m.parents]
+        mounted = [m for m in system.mountpoints() if m == root / name or root / name in m.parents]
         if mounted:
             raise LabError(f"{mounted[0]} is a mount point; not replacing {root / name}")
 
@@ -363,12 +353,12 @@ def _refuse_if_up(root: Path) -> dict | None:
     state = _read_state(root)
     if state is not None and state["up"]:
         hosts = [_host_from(h) for h in state["hosts"]]
-        if any(_lives(h) for h in hosts) or _link_exists(state["bridge"]):
+        if any(_lives(h) for h in hosts) or system.link_exists(state["bridge"]):
             raise LabError(f"a lab of {len(hosts)} hosts is already up at {root} "
                            f"({hosts[0].address}..{hosts[-1].address}); take it down first")
         _down(root)   # leftovers of a lab whose machine rebooted: nothing to stop
         state = _read_state(root)
-    if _link_exists(BRIDGE):
+    if system.link_exists(BRIDGE):
         raise LabError(f"bridge {BRIDGE} already exists: another lab is up on this machine "
                        f"(not recorded at {root})")
     taken = sorted(p.name for p in NETNS_DIR.glob("seglab-h*")) if NETNS_DIR.is_dir() else []
@@ -390,7 +380,7 @@ def _write_files(root: Path, hosts: list[Host], replaced: list[str]) -> None:
             shutil.rmtree(old)
         else:
             old.unlink(missing_ok=True)
-    _keygen(root / "id_ed25519", "segctl-lab")
+    system.keygen(root / "id_ed25519", "segctl-lab")
     known = "".join(_write_host(root, h) for h in hosts)
     (root / "known_hosts").write_text(known)
     (root / "ssh_config").write_text(_ssh_config(hosts, root / "id_ed25519", root / "known_hosts"))
@@ -409,15 +399,15 @@ def _write_files(root: Path, hosts: list[Host], replaced: list[str]) -> None:
 
 def _write_host(root: Path, h: Host) -> str:
     """Host `h`'s folders, sshd config and host key; its known_hosts line."""
-    _private(root / h.name)
-    etc = _private(root / h.name / "etc")
-    _keygen(etc / "ssh_host_ed25519_key", h.name)
+    system.private(root / h.name)
+    etc = system.private(root / h.name / "etc")
+    system.keygen(etc / "ssh_host_ed25519_key", h.name)
     (etc / "sshd_config").write_text(_sshd_config(h, etc))
     tmp = root / h.name / "tmp"
     tmp.mkdir()
     os.chmod(tmp, 0o1777)
     # sshd's StrictModes: the home and ~/.ssh must not be writable by others
-    ssh_dir = _private(h.home / ".ssh")
+    ssh_dir = system.private(h.home / ".ssh")
     shutil.copy(root / "id_ed25519.pub", ssh_dir / "authorized_keys")
     key = (etc / "ssh_host_ed25519_key.pub").read_text().split()[:2]
     return f"{h.name},{h.address} {' '.join(key)}\n"
@@ -426,7 +416,7 @@ def _write_host(root: Path, h: Host) -> str:
 def _write_ssh_wrapper(root: Path) -> None:
     """ROOT/bin/ssh: plain `ssh` with the lab's config, for code that runs `ssh`
     itself (segctl's fleet): put ROOT/bin first on its PATH."""
-    bin_dir = _private(root / "bin")
+    bin_dir = system.private(root / "bin")
     search = os.pathsep.join(p for p in os.environ.get("PATH", SYSTEM_PATH).split(os.pathsep)
                              if p and Path(p).resolve() != bin_dir)   # never itself
     real = shutil.which("ssh", path=search) or "/usr/bin/ssh"
@@ -472,17 +462,17 @@ def _ssh_config(hosts: list[Host], key: Path, known_hosts: Path) -> str:
 
 
 def _make_network(hosts: list[Host]) -> None:
-    _ip("link", "add", BRIDGE, "type", "bridge")
-    _ip("addr", "add", f"{BRIDGE_ADDRESS}/{NETWORK.prefixlen}", "dev", BRIDGE)
-    _ip("link", "set", BRIDGE, "up")
+    system.ip("link", "add", BRIDGE, "type", "bridge")
+    system.ip("addr", "add", f"{BRIDGE_ADDRESS}/{NETWORK.prefixlen}", "dev", BRIDGE)
+    system.ip("link", "set", BRIDGE, "up")
     for h in hosts:
-        _ip("netns", "add", h.netns)
+        system.ip("netns", "add", h.netns)
         # one veth pair: the host's end is created straight inside its namespace as eth0
-        _ip("link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
-        _ip("link", "set", h.veth, "master", BRIDGE, "up")
-        _ip("-n", h.netns, "addr", "add", f"{h.address}/{NETWORK.prefixlen}", "dev", "eth0")
-        _ip("-n", h.netns, "link", "set", "eth0", "up")
-        _ip("-n", h.netns, "link", "set", "lo", "up")
+        system.ip("link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+        system.ip("link", "set", h.veth, "master", BRIDGE, "up")
+        system.ip("-n", h.netns, "addr", "add", f"{h.address}/{NETWORK.prefixlen}", "dev", "eth0")
+        system.ip("-n", h.netns, "link", "set", "eth0", "up")
+        system.ip("-n", h.netns, "link", "set", "lo", "up")
 
 
 # The host's boot, as the init of its fresh PID namespace (in its own mount and
@@ -545,9 +535,9 @@ def _start_sshd(root: Path, h: Host, hosts: list[Host]) -> None:
     check = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                             'mount -n -t tmpfs lab-run /run && mkdir /run/sshd && exec "$@"',
                             "sshd-check", str(SSHD), "-t", "-f", str(etc / "sshd_config")],
-                           capture_output=True, text=True, env=_unthreaded_env())
+                           capture_output=True, text=True, env=system.unthreaded_env())
     if check.returncode != 0:
-        raise LabError(f"{h.name}: sshd refuses its config: {_last_line(check.stderr)}")
+        raise LabError(f"{h.name}: sshd refuses its config: {system.last_line(check.stderr)}")
     hidden = [str(root / o.name) for o in hosts if o.name != h.name]
     pairs = [str(p) for src, dst in _shared_software(h) for p in (src, dst)]
     argv = ["setsid", "-f", "ip", "netns", "exec", h.netns,
@@ -560,7 +550,7 @@ def _start_sshd(root: Path, h: Host, hosts: list[Host]) -> None:
         # setsid -f: the sshd is no child of ours and no member of our session, so
         # it outlives this process (and a Ctrl-C in its terminal)
         subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True,
-                       env=_unthreaded_env())
+                       env=system.unthreaded_env())
 
 
 def _wait_sshd(root: Path, h: Host) -> Host:
@@ -569,15 +559,15 @@ def _wait_sshd(root: Path, h: Host) -> Host:
     etc = root / h.name / "etc"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        pid = _read_pid(etc / INIT_PID)
-        is_sshd = pid and _exe(pid) == str(SSHD)
-        if is_sshd and _port_open(h.address, 22):
+        pid = system.read_pid(etc / INIT_PID)
+        is_sshd = pid and system.exe(pid) == str(SSHD)
+        if is_sshd and system.port_open(h.address, 22):
             return Host(**{**asdict(h), "sshd_pid": pid, "sshd_started": start_time(pid)})
         logs = [etc / "boot.log", etc / "sshd.log"]
         said = "".join(p.read_text(errors="replace") for p in logs if p.exists())
         # the boot script stops at its first error (set -e), sshd at a fatal one
         if said.strip() and not pids(h):
-            raise LabError(f"{h.name} did not boot: {_last_line(said)} (logs: {etc})")
+            raise LabError(f"{h.name} did not boot: {system.last_line(said)} (logs: {etc})")
         if time.monotonic() > deadline:
             raise LabError(f"{h.name}: sshd did not answer on {h.address}:22 within "
                            f"{START_TIMEOUT_S} s (logs: {etc})")
@@ -612,20 +602,20 @@ def _down(root: Path) -> None:
     for h in hosts:
         # the cable first: deleting one end of a veth pair deletes both at once,
         # whereas after `netns del` the kernel drops them in its own time
-        if _link_exists(h.veth):
-            _ip("link", "del", h.veth)
+        if system.link_exists(h.veth):
+            system.ip("link", "del", h.veth)
         if (NETNS_DIR / h.netns).exists():
-            _ip("netns", "del", h.netns)
-    if _link_exists(state["bridge"]):
-        _ip("link", "del", state["bridge"])
+            system.ip("netns", "del", h.netns)
+    if system.link_exists(state["bridge"]):
+        system.ip("link", "del", state["bridge"])
     # `ip netns add` makes /run/netns a mount point of its own the first time;
     # undone when it was this lab's doing and no other namespace lives there now
-    if state.get("made_netns_dir") and _is_mount(NETNS_DIR) and not any(NETNS_DIR.iterdir()):
-        _umount(NETNS_DIR)
+    if state.get("made_netns_dir") and system.is_mount(NETNS_DIR) and not any(NETNS_DIR.iterdir()):
+        system.umount(NETNS_DIR)
         NETNS_DIR.rmdir()
     left = ([f"process {p}" for h in hosts for p in _host_pids(h)] +
             [f"netns {h.netns}" for h in hosts if (NETNS_DIR / h.netns).exists()] +
-            [f"link {n}" for n in [h.veth for h in hosts] + [state["bridge"]] if _link_exists(n)])
+            [f"link {n}" for n in [h.veth for h in hosts] + [state["bridge"]] if system.link_exists(n)])
     if left:   # the record stays up, so `down` can be run again
         raise LabError(f"lab down, but still there: {', '.join(left)}")
     # kept, marked down: what the lab made here, for the next `up` to replace
@@ -671,82 +661,6 @@ def _lives(h: Host) -> bool:
 
 # ------------------------------------------------------------------ small helpers
 
-def _unthreaded_env() -> dict:
-    """Our environment less LD_PRELOAD: a preloaded OpenBLAS starts threads in every
-    process, and a threaded process cannot enter or make a mount namespace."""
-    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-
-
-def _ip(*args: str) -> None:
-    out = subprocess.run(["ip", *args], capture_output=True, text=True, env=_unthreaded_env())
-    if out.returncode != 0:
-        raise LabError(f"ip {' '.join(args)}: {_last_line(out.stderr)}")
-
-
-def _umount(path: Path) -> None:
-    # umount(8) would leave /run/mount (libmount's lock folder) behind: the syscall
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.umount2(str(path).encode(), 0) != 0:
-        raise LabError(f"umount {path}: {os.strerror(ctypes.get_errno())}")
-
-
-def _link_exists(name: str) -> bool:
-    return Path("/sys/class/net", name).exists()   # this (root) namespace's links
-
-
-def _is_mount(path: Path) -> bool:
-    return path.resolve() in _mountpoints()
-
-
-def _mountpoints() -> set[Path]:
-    # field 5 of mountinfo, with the kernel's octal escapes (\040 for a space)
-    lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    return {Path(ln.split()[4].encode().decode("unicode_escape")) for ln in lines if ln.strip()}
-
-
-def _exe(pid: int) -> str | None:
-    """What process `pid` runs; None when it is gone (or going)."""
-    try:
-        return os.path.realpath(os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        return None
-
-
-def _port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _keygen(path: Path, comment: str) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
-                   check=True, capture_output=True)
-
-
-def _private(path: Path) -> Path:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
-
-
-@contextmanager
-def _locked(root: Path):
-    """One `up` or `down` at a time per lab folder."""
-    _private(root)
-    with open(root / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
 def _host_record(h: Host) -> dict:
     return {**asdict(h), "home": str(h.home)}
 
@@ -763,7 +677,7 @@ def _read_state(root: Path) -> dict | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (ValueError, UnicodeDecodeError) as e:
-        raise NotALab(f"{root / STATE}: not a lab record ({_one_line(e)}); not touching "
+        raise NotALab(f"{root / STATE}: not a lab record ({system.one_line(e)}); not touching "
                       f"{root}") from None
     if not isinstance(state, dict) or state.get("made_by") != MADE_BY:
         raise NotALab(f"{root / STATE} is not a segctl lab's record; not touching {root}")
@@ -772,15 +686,3 @@ def _read_state(root: Path) -> dict | None:
 
 def _write_state(root: Path, state: dict) -> None:
     write_atomic(root / STATE, json.dumps(state, indent=1))
-
-
-def _last_line(text: str) -> str:
-    """The last message in a tool's output; indented lines continue a message (mount's
-    "dmesg(1) may have more information" hint) and are not one."""
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    heads = [ln for ln in lines if not ln[0].isspace()] or lines
-    return heads[-1].strip() if heads else "(no output)"
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {_last_line(str(e)) if str(e) else 'no message'}"

@@ -41,6 +41,7 @@ import copy
 import json
 import logging
 import logging.handlers
+import os
 import threading
 import time
 from collections import deque
@@ -79,6 +80,10 @@ FILE_S = 0.5          # a turn files ended attempts for this long at most, then 
 # until its turn to be filed.
 UNFILED_BYTES = 256 << 20
 NODES_EVERY_S = 1.0
+# An agent that has not answered its first ping by then (its actor stuck in Ray's
+# queue, its worker process never registered) is given up and started again: a
+# node whose agent never comes would otherwise take no work for ever.
+AGENT_START_S = 120.0
 # Ray's ways of saying "the worker or node that held this attempt is gone".
 LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
         ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
@@ -116,7 +121,7 @@ class Controller(HeadAPI, PlacementTurn):
         # ended, not yet filed: (attempt, its result or, past UNFILED_BYTES, its ref, node)
         self.to_file: deque[tuple[int, object, str]] = deque()
         self.unfiled_bytes = 0                  # adapter bytes held by to_file's results
-        self.starting: dict[str, tuple[object, object]] = {}   # node -> (agent, its ping)
+        self.starting: dict[str, tuple[object, object, float]] = {}   # node -> (agent, ping, since)
         self.plans: dict[tuple, object] = {}    # (trial, class, budget, max_segment) -> Plan
         self.placements = 0                     # attempts placed by this head, counted
         self.served: dict[str, int] = {}        # sweep -> the count when it last got a node
@@ -232,18 +237,19 @@ class Controller(HeadAPI, PlacementTurn):
             for name in seen:
                 if name not in self.agents and name not in self.starting:
                     agent = self.spawn_agent(name)
-                    self.starting[name] = (agent, agent.ping.remote())
+                    self.starting[name] = (agent, agent.ping.remote(), self.clock())
+                    self.log.info(f"node {name}: starting its agent")
 
     def agents_up(self) -> bool:
         """A node takes work once its agent answers (its worker process is up), so
         the first dispatch does not wait for an actor to start. True if one did."""
         came = False
         if self.starting:
-            pings = {ping: name for name, (_, ping) in self.starting.items()}
+            pings = {ping: name for name, (_, ping, _) in self.starting.items()}
             up, _ = self.wait(list(pings), num_returns=len(pings), timeout=0)
             for ping in up:
                 name = pings[ping]
-                agent, _ = self.starting.pop(name)
+                agent, _, _ = self.starting.pop(name)
                 try:
                     self.get(ping)
                 except Exception as e:   # gone or broken before it started: the next refresh tries again
@@ -253,7 +259,15 @@ class Controller(HeadAPI, PlacementTurn):
                 with self.mu:
                     self.agents[name] = agent
                     self.free_since[name] = self.clock()
+                self.log.info(f"node {name}: its agent is up")
                 came = True
+            for name, (agent, _, since) in list(self.starting.items()):
+                if self.clock() - since > AGENT_START_S:   # the next refresh starts another
+                    del self.starting[name]
+                    self.log.warning(f"node {name}: its agent did not answer in "
+                                     f"{AGENT_START_S:.0f} s; starting another")
+                    if isinstance(agent, ray.actor.ActorHandle):
+                        self.guarded(f"agent on {name}: ending it", ray.kill, agent)
         return came
 
     # ------------------------------------------------------------ starting what placement chose
@@ -416,15 +430,19 @@ class Controller(HeadAPI, PlacementTurn):
         from their last checkpoint), and hold their sweeps until `segctl resume`. A tune
         goes on by itself: a class whose probe ran under the old head is queued again
         for the points it had not measured; the classes that finished keep their end."""
-        for a in self.state.open_attempts():
+        open_attempts = self.state.open_attempts()
+        for a in open_attempts:
             self.guarded(f"attempt {a['id']}: closing it after a restart", self.finish, a["id"],
                          AttemptResult(attempt=a["id"], outcome=Outcome.INTERRUPTED,
                                        message="the head restarted during this attempt"))
         self.reseal()
-        for s in self.state.running_sweeps():
+        held = self.state.running_sweeps()
+        for s in held:
             self.state.set_sweep_state(s["id"], SweepState.INTERRUPTED,
                                        "the head restarted; `segctl resume` continues it")
         self.state.requeue_tunes()
+        self.log.info(f"head started (pid {os.getpid()}): {len(open_attempts)} attempt(s) "
+                      f"closed, {len(held)} sweep(s) held for `segctl resume`")
 
 
 def _adapter_bytes(r: AttemptResult) -> int:

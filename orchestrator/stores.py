@@ -31,15 +31,11 @@ Nothing here knows about Ray or the trial state machine (state.db is the head's)
 
 from __future__ import annotations
 
-import filecmp
 import itertools
 import json
-import math
 import os
-import shutil
 import sqlite3
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,11 +45,25 @@ import pyarrow.parquet as pq
 
 # private_dir / private_file: also what the head uses for inputs/ and state.db
 from segctl.node.raynode import alive
-from segctl.orchestrator.state import LOCK_WAIT_S, StoreError
+from segctl.orchestrator.state_db import LOCK_WAIT_S, StoreError
 from segctl.schemas import store_rows as sr
 from segctl.schemas.atomic import fsync_dir
-from segctl.schemas.limits import safetensors_header
 from segctl.schemas.private import private_dir, private_file
+
+from .blobs import (
+    data_section,
+    node_attrs,
+    read_data,
+    read_safetensors,
+    rmtree,
+    same_tree,
+    settle_tree,
+    tensor_bytes,
+    tensor_values,
+    write_packed_group,
+    write_peaks_array,
+    zarr_modules,
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -71,22 +81,11 @@ STAGING_VERSION = 1
 STAGING_TABLES = {"events": {"attempt", "seq", "body"},
                   "attempts": {"attempt", "sweep", "trial", "sealed"}}
 
-CHUNK_BYTES = 16 << 20            # a packed array is stored in chunks of this size
-DATA = "data"                     # the one array of a packed adapter or checkpoint
 VACUUM_PAGES = 256                # staging.db: free pages (4 KiB) that make a vacuum worth it
 WAL_KEEP_BYTES = 16 << 20         # staging.db-wal is cut back to this after a checkpoint
-SYNC_THREADS = 8                  # files of one zarr node fsynced at once
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _counter = itertools.count()
 
-# safetensors dtype code -> numpy dtype of its values. BF16 has no numpy dtype: it
-# is widened to float32 (exact), as the per-tensor layout stored it in zarr.
-DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<f4",
-          "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-          "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "|b1"}
-ITEMSIZE = {"BF16": 2}
-# zarr skips a chunk equal to the fill value, and -0.0 == 0.0: write them all, for bit-exactness.
-_EVERY_CHUNK = {"write_empty_chunks": True}
 # The adapters kept per trial: the last step's, and the best eval's (lowest val_loss).
 ADAPTER_KINDS = ("last", "best")
 # An attempt's events as delivered, kept when it is sealed: its staging rows go.
@@ -263,7 +262,7 @@ class Stores:
                     data = read_data(dirs[-1])
                     files = {n: data[b:e] for n, (b, e) in attrs["packed"].items()}
                 else:   # written before packing: one array per file
-                    zarr, LocalStore = _zarr()
+                    zarr, LocalStore = zarr_modules()
                     g = zarr.open_group(store=LocalStore(dirs[-1], read_only=True), mode="r")
                     files = {n: g[n][:].tobytes() for n in attrs["files"]}
             except (FileNotFoundError, KeyError):
@@ -304,7 +303,7 @@ class Stores:
         if data is None:   # written before packing: one array per tensor
             g = self._adapter_group(trial, kind)
             data = data_section(attrs["safetensors_header"],
-                                {n: _tensor_bytes(g[n][...], code)
+                                {n: tensor_bytes(g[n][...], code)
                                  for n, code in attrs["dtypes"].items()})
         # the config as it came (stores made before that kept it parsed only: as the engine writes it)
         config = attrs.get("adapter_config_json") or json.dumps(attrs["adapter_config"], indent=2) + "\n"
@@ -448,7 +447,7 @@ class Stores:
     def _adapter_group(self, trial: str, kind: str = "last"):
         if not self.has_adapter(trial, kind):
             raise KeyError(f"trial {trial}: no {kind} adapter in the stores")
-        zarr, LocalStore = _zarr()
+        zarr, LocalStore = zarr_modules()
         return zarr.open_group(store=LocalStore(self.root / _adapter_path(trial, kind),
                                                 read_only=True), mode="r")
 
@@ -467,7 +466,7 @@ class Stores:
             for p in base.iterdir():
                 pid = p.name.split("-", 1)[0]
                 if not (pid.isdigit() and alive(int(pid))):
-                    _rmtree(p)
+                    rmtree(p)
 
     def _put_parquet(self, table: pa.Table, path: Path) -> None:
         """Write a Parquet file (owner-only, atomically); an identical file already
@@ -497,15 +496,15 @@ class Stores:
         tmp = self._temp("node")
         try:
             write(tmp)
-            _settle_tree(tmp)
+            settle_tree(tmp)
             if target.exists():
-                if _same_tree(tmp, target):
+                if same_tree(tmp, target):
                     return
                 self._remove(target)
             os.rename(tmp, target)
             fsync_dir(target.parent)
         finally:
-            _rmtree(tmp)
+            rmtree(tmp)
 
     def _ensure_group(self, path: Path) -> None:
         """A zarr group at `path` and at every folder up to its store (`*.zarr`), each
@@ -515,23 +514,23 @@ class Stores:
         if not path.name.endswith(".zarr"):
             self._ensure_group(path.parent)
         tmp = self._temp("group")
-        zarr, LocalStore = _zarr()
+        zarr, LocalStore = zarr_modules()
         try:
             zarr.open_group(store=LocalStore(tmp), mode="w")
-            _settle_tree(tmp)
+            settle_tree(tmp)
             os.rename(tmp, path)
             fsync_dir(path.parent)
         except OSError:
             if not (path / "zarr.json").is_file():
                 raise
         finally:
-            _rmtree(tmp)
+            rmtree(tmp)
 
     def _remove(self, path: Path) -> None:
         """Take a node out of sight at once (a rename), then delete it."""
         aside = self._temp("old")
         os.rename(path, aside)
-        _rmtree(aside)
+        rmtree(aside)
 
 
 def _sealed(con: sqlite3.Connection, attempt: int) -> bool:
@@ -643,136 +642,6 @@ def phase_peaks(events: list[dict]) -> tuple[np.ndarray, list[str], list[int]]:
     return peaks, list(labels), steps
 
 
-# ==================================================================== zarr nodes
-
-def write_packed_group(folder: Path, attrs: dict, parts: list[bytes],
-                       names: list[str] | None = None) -> None:
-    """A group holding `parts` back to back in one uint8 array, DATA (an adapter's
-    tensors, a checkpoint's files). With `names`, the attribute "packed" gives each
-    part's [begin, end) in it. One array, not one per tensor or file: each array is a
-    metadata file and a chunk file to write and fsync, and zarr round trips to make
-    it (an adapter of the demo model is 56 tensors)."""
-    blob = b"".join(parts)
-    if names is not None:
-        ends = list(itertools.accumulate(map(len, parts)))
-        attrs = {**attrs, "packed": {n: [e - len(p), e] for n, p, e in zip(names, parts, ends)}}
-
-    zarr, LocalStore = _zarr()
-    from zarr.core.sync import sync
-
-    async def build():
-        g = await zarr.api.asynchronous.open_group(store=LocalStore(folder), mode="w",
-                                                   attributes=attrs)
-        await g.create_array(DATA, data=np.frombuffer(blob, dtype=np.uint8),
-                             chunks=(max(1, min(len(blob), CHUNK_BYTES)),),
-                             compressors=None, config=_EVERY_CHUNK)
-    sync(build())
-
-
-def node_attrs(node: Path) -> dict:
-    """A zarr node's attributes, from its metadata file alone (zarr v3 keeps them in
-    zarr.json): no zarr round trip. FileNotFoundError when there is no node."""
-    with open(node / "zarr.json", "rb") as f:
-        return json.loads(f.read()).get("attributes", {})
-
-
-def read_data(node: Path) -> bytes:
-    """The bytes of a packed node's DATA array. As written here (one chunk, no
-    compression: zarr v3 keeps it at c/0 as it is) the chunk file is read straight,
-    without zarr, which takes longer to import than `segctl gather --best 10` to run."""
-    meta = json.loads((node / DATA / "zarr.json").read_bytes())
-    [size] = meta["shape"]
-    if (meta["data_type"] == "uint8" and [c["name"] for c in meta["codecs"]] == ["bytes"]
-            and meta["chunk_grid"]["configuration"]["chunk_shape"][0] >= size
-            and meta["chunk_key_encoding"] == {"name": "default",
-                                               "configuration": {"separator": "/"}}):
-        if size == 0:
-            return b""
-        blob = (node / DATA / "c" / "0").read_bytes()
-        if len(blob) == size:
-            return blob
-    zarr, LocalStore = _zarr()
-    a = zarr.open_array(store=LocalStore(node / DATA, read_only=True), mode="r")
-    return a[...].tobytes()
-
-
-def _zarr():
-    """zarr and its LocalStore, imported where first used: the readers of the CLI
-    (status, gather) mostly need none of it."""
-    import zarr
-    import zarr.api.asynchronous
-    from zarr.storage import LocalStore
-    return zarr, LocalStore
-
-
-def write_peaks_array(folder: Path, peaks: np.ndarray, attrs: dict) -> None:
-    zarr, LocalStore = _zarr()
-    a = zarr.create_array(store=LocalStore(folder), shape=peaks.shape, dtype="float32",
-                          chunks=(max(1, min(peaks.shape[0], 4096)), max(1, peaks.shape[1])),
-                          fill_value=float("nan"), config=_EVERY_CHUNK, attributes=attrs)
-    if peaks.size:
-        a[...] = peaks
-
-
-# ==================================================================== safetensors
-
-def read_safetensors(blob: bytes) -> tuple[str, bytes, dict[str, tuple[str, tuple, tuple]]]:
-    """(header JSON text, data section, name -> (dtype code, shape, (begin, end) in the
-    data section)), in the file's data order, each tensor checked against its bytes.
-    Both texts are kept as they were: the file is rebuilt byte for byte from them."""
-    blob = bytes(blob)
-    header = safetensors_header(blob, "adapters.safetensors")
-    n = int.from_bytes(blob[:8], "little")
-    header_text, data = blob[8:8 + n].decode("utf-8"), blob[8 + n:]
-    header.pop("__metadata__", None)
-    tensors = {}
-    try:
-        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        for name, h in entries:
-            code, shape, (begin, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
-            if code not in DTYPES:
-                raise ValueError(f"{name}: dtype {code} is not supported")
-            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= len(data)
-                    and end - begin == math.prod(shape) * _itemsize(code)):
-                raise ValueError(f"{name}: truncated or inconsistent data")
-            tensors[name] = (code, shape, (begin, end))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"adapters.safetensors: {e}") from None
-    return header_text, data, tensors
-
-
-def tensor_values(raw: bytes, code: str, shape) -> np.ndarray:
-    """A tensor's values from its safetensors bytes; BF16, which numpy lacks, widened
-    to float32 (exact)."""
-    if code == "BF16":
-        values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    else:
-        values = np.frombuffer(raw, dtype=DTYPES[code]).copy()
-    return values.reshape(tuple(shape))
-
-
-def data_section(header_text: str, raw: dict[str, bytes]) -> bytes:
-    """A safetensors file's data section from its header and each tensor's bytes."""
-    header = json.loads(header_text)
-    header.pop("__metadata__", None)
-    size = max((h["data_offsets"][1] for h in header.values()), default=0)
-    data = bytearray(size)
-    for name, h in header.items():
-        begin, end = h["data_offsets"]
-        data[begin:end] = raw[name]
-    return bytes(data)
-
-
-def _tensor_bytes(values: np.ndarray, code: str) -> bytes:
-    if code == "BF16":   # widened exactly on the way in, so the low half is zero
-        return (np.ascontiguousarray(values, dtype="<f4").view(np.uint32) >> 16).astype("<u2").tobytes()
-    return np.ascontiguousarray(values, dtype=DTYPES[code]).tobytes()
-
-
-def _itemsize(code: str) -> int:
-    return ITEMSIZE.get(code) or np.dtype(DTYPES[code]).itemsize
-
-
 # ==================================================================== files
 
 def _safe(key: str, name: str) -> None:
@@ -796,42 +665,3 @@ def _checkpoint_dirs(folder: Path) -> list[Path]:
         return []
     return sorted((p for p in folder.glob("step-*") if (p / "zarr.json").is_file()),
                   key=lambda p: int(p.name.split("-", 1)[1]))
-
-
-def _same_tree(a: Path, b: Path) -> bool:
-    files = lambda root: sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
-    fa, fb = files(a), files(b)
-    return fa == fb and all(filecmp.cmp(a / p, b / p, shallow=False) for p in fa)
-
-
-def _settle_tree(root: Path) -> None:
-    """A node built in temp, before it is renamed into place: owner-only modes
-    (zarr creates with the umask's), every file on disk (fsynced side by side: an
-    adapter is a hundred small files, and the disk commits concurrent syncs together)."""
-    files = []
-    for dirpath, _, names in os.walk(root):
-        os.chmod(dirpath, 0o700)
-        for n in names:
-            path = os.path.join(dirpath, n)
-            os.chmod(path, 0o600)
-            files.append(path)
-    if len(files) < 4:
-        for path in files:
-            _fsync(path)
-        return
-    with ThreadPoolExecutor(max_workers=SYNC_THREADS) as pool:
-        list(pool.map(_fsync, files))
-
-
-def _fsync(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _rmtree(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-

@@ -31,6 +31,23 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 # (tests/test_lanes.py checks that what starts Ray or a lab is marked `fleet`).
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test on a fleet (a fixture that holds a stores folder) carries the
+    tail of the fleet's logs (the head's, each node's `ray start`): a failure seen
+    once in CI then says what the head did."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for value in getattr(item, "funcargs", {}).values():
+        stores = value.get("stores") if isinstance(value, dict) else None
+        if isinstance(stores, Path):
+            for log in sorted((stores / "logs").glob("*.log")):
+                lines = log.read_text(errors="replace").splitlines()[-40:]
+                report.sections.append((f"fleet log {log.name} (last lines)", "\n".join(lines)))
+
+
 def cli_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -14,7 +14,7 @@ from segctl.engine.step import StepError
 from segctl.engine.train import OutputError
 from segctl.orchestrator import cli
 from segctl.orchestrator.gather import Mismatch
-from segctl.orchestrator.state import StateError, StoreError
+from segctl.orchestrator.state_db import StateError, StoreError
 from segctl.schemas.errors import SpecError, UserError
 from segctl.schemas.names import EXIT_BAD_INPUT, EXIT_INTERNAL
 

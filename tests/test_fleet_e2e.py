@@ -269,7 +269,10 @@ def test_cancel_then_resume_after_a_head_restart(fleet):
     said = follower.stderr.read()
     assert f"`segctl resume {sid}` continues it" in said and "Traceback" not in said, said
 
-    r = segctl("resume", sid, "--cluster", fleet["cluster"], "--json", timeout=300)
+    try:
+        r = segctl("resume", sid, "--cluster", fleet["cluster"], "--json", timeout=300)
+    except subprocess.TimeoutExpired:   # what the sweep waited for, in the failure
+        pytest.fail(f"`segctl resume` did not end: {json.dumps(_status(fleet, sid))[-3000:]}")
     assert r.returncode == 1, r.stderr[-2000:]     # one trial was cancelled
     sw = _status(fleet, sid)
     states = [t["state"] for t in sw["trials"]]

@@ -19,7 +19,7 @@ import ray
 
 from segctl.orchestrator import head as head_mod
 from segctl.orchestrator.head import Controller
-from segctl.orchestrator.state import StateError
+from segctl.orchestrator.state_db import StateError
 from segctl.orchestrator.submit import prepare
 from segctl.schemas.records import AttemptResult, NodeInfo
 from segctl.schemas.states import AttemptStatus, Outcome, SweepState, TrialState, TuneState
@@ -437,6 +437,37 @@ def test_listing_nodes_or_starting_an_agent_can_fail_and_the_loop_goes_on(tmp_pa
     assert "GCS unreachable" in (tmp_path / "logs" / "head.log").read_text()
 
 
+def test_an_agent_that_never_answers_is_given_up_and_started_again(tmp_path, payload):
+    world = World(names=("a",))
+    spawned: list[Agent] = []
+
+    class Mute(Method):   # its actor never starts: the ping stays pending
+        def remote(self, *args):
+            ref = Ref("ping")
+            self.agent.calls.append(ref)
+            return ref
+
+    def spawn(name: str) -> Agent:
+        agent = Agent(name)
+        if not spawned:
+            agent.ping = Mute(agent, "ping")
+        spawned.append(agent)
+        world.agents[name] = agent
+        return agent
+
+    world.spawn = spawn
+    c = world.controller(tmp_path)
+    sid = c.submit(small(payload, "s", n=1))
+    world.turns(c, 3)
+    assert len(spawned) == 1 and "a" not in c.agents
+    assert list(trials(c, sid).values()) == [TrialState.PENDING]
+    world.now += head_mod.AGENT_START_S
+    world.turns(c, 2)
+    assert len(spawned) == 2 and c.agents["a"] is spawned[1]
+    assert list(trials(c, sid).values()) == [TrialState.PLACED]
+    assert "its agent did not answer" in (tmp_path / "logs" / "head.log").read_text()
+
+
 def test_head_log_rotates(tmp_path, monkeypatch):
     monkeypatch.setattr(head_mod, "LOG_BYTES", 2000)
     log = head_mod.head_log(tmp_path / "r")
@@ -528,9 +559,9 @@ def test_state_db_and_inputs_are_private(tmp_path, payload):
 
 
 def test_a_locked_state_db_is_one_line_saying_who_holds_it(tmp_path, monkeypatch):
-    from segctl.orchestrator import state
+    from segctl.orchestrator import state_db
     World().controller(tmp_path).state.con.close()
-    monkeypatch.setattr(state, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(state_db, "LOCK_WAIT_S", 0.3)
     with locked(tmp_path / "state.db"):
         with pytest.raises(StateError, match="locked by another process"):
             World().controller(tmp_path)

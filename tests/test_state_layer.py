@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from segctl.orchestrator import state as statelib
-from segctl.orchestrator.state import LATEST, State, StateError, TransitionError
+from segctl.orchestrator import state_db
+from segctl.orchestrator.state import State
+from segctl.orchestrator.state_db import LATEST, StateError, TransitionError
 from segctl.schemas.records import OUTCOME_MOVES, AttemptResult, AttemptStatus, Outcome, TrialState, TuneState
 from tests.test_head_isolation import World
 
@@ -78,8 +80,8 @@ def old_db(path: Path) -> Path:
 # ------------------------------------------------------------------ versions
 
 def test_version_1_is_the_schema_from_before_versions_and_never_changes():
-    assert statelib.MIGRATIONS[0].strip() == V1_SQL.read_text().strip()
-    assert LATEST == len(statelib.MIGRATIONS) >= 2
+    assert state_db.MIGRATIONS[0].strip() == V1_SQL.read_text().strip()
+    assert LATEST == len(state_db.MIGRATIONS) >= 2
 
 
 def test_a_db_from_before_versions_opens_migrated_with_every_row_intact(tmp_path):
@@ -136,8 +138,8 @@ def test_a_migration_that_fails_leaves_the_file_as_it_was(tmp_path, monkeypatch)
     State(db).close()
     before = tables(db)
     broken = "CREATE TABLE half (x INTEGER);\nINSERT INTO nowhere (x) VALUES (1);\n"
-    monkeypatch.setattr(statelib, "MIGRATIONS", [*statelib.MIGRATIONS, broken])
-    monkeypatch.setattr(statelib, "LATEST", LATEST + 1)
+    monkeypatch.setattr(state_db, "MIGRATIONS", [*state_db.MIGRATIONS, broken])
+    monkeypatch.setattr(state_db, "LATEST", LATEST + 1)
     with pytest.raises(StateError, match="no such table: nowhere"):
         State(db)
     assert user_version(db) == LATEST and tables(db) == before   # no `half` table
@@ -145,7 +147,7 @@ def test_a_migration_that_fails_leaves_the_file_as_it_was(tmp_path, monkeypatch)
 
 def test_statements_split_where_sql_does_not_in_comments_or_strings():
     script = "CREATE TABLE a (x TEXT DEFAULT 'p;q');  -- a; b\nCREATE TABLE b (y);\n"
-    assert [s.strip() for s in statelib.statements(script)] == [
+    assert [s.strip() for s in state_db.statements(script)] == [
         "CREATE TABLE a (x TEXT DEFAULT 'p;q');", "-- a; b\nCREATE TABLE b (y);"]
 
 

@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from segctl.orchestrator import stores as stores_mod
-from segctl.orchestrator.state import LATEST, State, StateError, StoreError
+from segctl.orchestrator.state import State
+from segctl.orchestrator.state_db import LATEST, StateError, StoreError
 from segctl.orchestrator.stores import STAGING_VERSION, Stores
 from segctl.schemas import store_rows as sr
 from segctl.schemas.states import TrialState

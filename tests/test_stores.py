@@ -20,8 +20,9 @@ import pyarrow.dataset as pads
 import pytest
 import zarr
 
+from segctl.orchestrator.blobs import read_data
 from segctl.orchestrator.gather import gather
-from segctl.orchestrator.stores import SCHEMA, Stores, read_data
+from segctl.orchestrator.stores import SCHEMA, Stores
 from segctl.schemas import store_rows as sr
 from tests.conftest import cli_env
 

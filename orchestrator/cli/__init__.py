@@ -44,7 +44,7 @@ def _says(e: BaseException) -> str:
 
 class _Group(click.Group):
     def invoke(self, ctx):
-        from segctl.orchestrator.state import OPENED, unusable
+        from segctl.orchestrator.state_db import OPENED, unusable
         try:
             return super().invoke(ctx)
         except UserError as e:   # e.g. a corrupt or locked state.db or staging.db, named

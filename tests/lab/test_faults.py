@@ -37,7 +37,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from segctl import lab as lablib
-from segctl.orchestrator import state as statelib
+from segctl.orchestrator import state_db
 from segctl.orchestrator.stores import _checkpoint_dirs
 from segctl.schemas import store_rows as sr
 
@@ -117,7 +117,7 @@ def submit(lab, name: str, *, trials: int = 3, iters: int = 40, every: int = 5,
 # ------------------------------------------------------------------ reading the head's stores
 
 def db(lab):
-    return statelib.connect(stores_root(lab) / "state.db", readonly=True)
+    return state_db.connect(stores_root(lab) / "state.db", readonly=True)
 
 
 def attempts(lab, sid: str) -> list[dict]:
@@ -342,7 +342,7 @@ def watch(whole):
 
 def link(lab, host: str, up: bool) -> None:
     """Plug or unplug host's cable (its veth end on the bridge, in this namespace)."""
-    lablib._ip("link", "set", lab.host(host).veth, "up" if up else "down")
+    lablib.system.ip("link", "set", lab.host(host).veth, "up" if up else "down")
 
 
 def power_off(lab, host: str) -> None:
