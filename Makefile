@@ -65,17 +65,10 @@ test: install
 	$(RUN) bash tests/run.sh $(BIN)/python
 
 # Lint and import order (pyproject's [tool.ruff]), then types (pyproject's
-# [tool.mypy]); CI runs it before the tests. mypy reads segctl.engine from
-# build/types/segctl/engine, a link to engine/, one link per entry of pyproject's
-# package-dir (no checker follows the rename by itself).
+# [tool.mypy]); CI runs it before the tests. mypy finds segctl.engine through
+# segctl/engine, a link to engine/ (one per subpackage).
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	@rm -rf build/types && mkdir -p build/types/segctl
-	@$(BIN)/python -c 'import os, tomllib; \
-	  dirs = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]; \
-	  [os.symlink(os.path.join("..", "..", "..", d), os.path.join("build/types", *n.split("."))) \
-	   for n, d in dirs.items() if n.count(".") == 1]'
-	@ln -s ../../../segctl/__init__.py build/types/segctl/__init__.py
 	$(BIN)/mypy
 
 # The inner loop: everything but Ray fleets, the lab and the model-family walk.

@@ -196,7 +196,7 @@ class SimHost:
             self.cancelled.discard(spec.attempt)
 
     async def _run(self, spec: AttemptSpec) -> AttemptResult:
-        job, aid, head = spec.job, spec.attempt, self.head
+        job, aid, head = spec.job.model_dump(mode="json"), spec.attempt, self.head
         train = job["train"]
         total = int(train["iters"])
         eval_every = int(train.get("eval_every") or 0) if job["data"].get("valid") else 0

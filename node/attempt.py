@@ -71,27 +71,29 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     out = folder / "out"
 
     # Inputs arrive as bytes: no shared file system.
-    job = json.loads(json.dumps(spec.job))
     for name, blob in spec.data.items():
         private_file(folder / "data" / name, blob)
-    job["data"]["train"] = str(folder / "data" / "train.jsonl")
-    if job["data"].get("valid"):
-        job["data"]["valid"] = str(folder / "data" / "valid.jsonl")
-    job["output"] = str(out)
+    job = spec.job
     try:
-        job["model"] = model_dir(job["model"])
+        model = model_dir(job.model)
     except Exception as e:   # refused by the head, or the fetch broke: an outcome, not a crash
         outcome = "failed" if isinstance(e, (ValueError, PermissionError)) else "node_lost"
         return _ended(folder, AttemptResult(
             attempt=spec.attempt, outcome=outcome, ended=time.time(),
-            message=f"model {job['model']}: {_last(str(e).splitlines()) or type(e).__name__}"))
-    job.setdefault("telemetry", {})["phases"] = True   # per-phase peaks feed memory.zarr
+            message=f"model {job.model}: {_last(str(e).splitlines()) or type(e).__name__}"))
+    job = job.model_copy(update={
+        "model": model, "output": str(out),
+        "data": job.data.model_copy(update={
+            "train": str(folder / "data" / "train.jsonl"),
+            "valid": str(folder / "data" / "valid.jsonl") if job.data.valid else None}),
+        "telemetry": job.telemetry.model_copy(update={"phases": True}),   # feed memory.zarr
+    })
     resume = spec.checkpoint_step is not None
     if resume:
         ckpt = private_dir(out / "checkpoints" / f"step-{spec.checkpoint_step:07d}")
         for name, blob in spec.checkpoint.items():
             private_file(ckpt / name, blob)
-    private_file(folder / "job.json", json.dumps(job).encode())
+    private_file(folder / "job.json", job.model_dump_json().encode())
 
     # Tokenized data sets outlive the attempt: the node's next trial of the same
     # data and model reads them instead of tokenizing again (engine/data.py).

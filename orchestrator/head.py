@@ -37,7 +37,6 @@ wrong goes to logs/head.log (rotated).
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import logging.handlers
@@ -51,6 +50,7 @@ from typing import NamedTuple
 import ray
 
 from segctl.schemas.defaults import TELEMETRY_CALLS_PER_S, TELEMETRY_FLUSH_S
+from segctl.schemas.job import JobSpec
 from segctl.schemas.private import private_dir
 from segctl.schemas.records import (
     TERMINAL,
@@ -292,16 +292,15 @@ class Controller(HeadAPI, PlacementTurn):
             line = self.fault(f"trial {tid}: reading its inputs on the head", e)
             self.state.move(tid, TrialState.FAILED, line, message=line)
             return self._maybe_done(t.sweep)
-        job = copy.deepcopy(t.job)   # the record stays as state.db has it
-        mem = job.setdefault("memory", {})
-        mem["segment_size"] = plan.segment_size
-        mem["offload"] = "disk" if plan.offload else "none"
-        mem["budget_gb"] = d.budget_gb
+        job = JobSpec.model_validate(t.job)
+        job = job.model_copy(update={"memory": job.memory.model_copy(update={
+            "segment_size": plan.segment_size, "offload": "disk" if plan.offload else "none",
+            "budget_gb": d.budget_gb})})
         # Runnable since: the trial was pending and this node was free (the later).
         ready = max(t.runnable_since, self.free_since.get(node.name, 0.0))
         aid = self.state.add_attempt(tid, node=node.name, chip=node.chip,
                                      segment_size=plan.segment_size,
-                                     predicted_gb=plan.predicted_gb, budget_gb=mem["budget_gb"],
+                                     predicted_gb=plan.predicted_gb, budget_gb=d.budget_gb,
                                      resume_step=ckpt[0] if ckpt else None, ready=ready)
         how = f"resuming from step {ckpt[0]}" if ckpt else "from the start"
         self.state.move(tid, TrialState.PLACED,
@@ -319,7 +318,7 @@ class Controller(HeadAPI, PlacementTurn):
             return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
                                                   message=line))
         self.inflight[ended] = Flight(aid, node.name, t.sweep, result)
-        self.held.setdefault(node.name, {})[aid] = mem["budget_gb"]
+        self.held.setdefault(node.name, {})[aid] = d.budget_gb
 
     def _probed(self, ref) -> None:
         tid, cls, node = self.probing.pop(ref)

@@ -10,7 +10,7 @@ from typing import Optional
 from pydantic import BaseModel, Field
 
 from .defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK, TELEMETRY_FLUSH_S
-from .job import LoraSpec, Method
+from .job import JobSpec, LoraSpec, Method
 from .states import (  # noqa: F401
     ATTEMPT_MOVES,
     MOVES,
@@ -64,7 +64,7 @@ class AttemptSpec(BaseModel):
     sweep: str
     trial: str
     attempt: int                     # global attempt id (state.db)
-    job: dict                        # JobSpec as JSON, segment_size resolved, budget set
+    job: JobSpec                     # its memory settings resolved for the node, budget set
     data: dict[str, bytes]           # file name -> bytes (train / valid jsonl)
     checkpoint_step: Optional[int] = None
     checkpoint: dict[str, bytes] = {}   # file name -> bytes of the checkpoint to resume from

@@ -7,18 +7,14 @@ planner, stores and CLI); imports point one way: orchestrator -> node -> engine 
 schemas. A fifth, `segctl.lab` (hosts in network namespaces for trying a fleet on
 one Linux box), sits beside them: it imports node and schemas, and only the CLI
 imports it. Installed, they sit inside this package (pyproject's package-dir maps
-them there). In a checkout they are the folders beside this one, so `python -m
-segctl.orchestrator.cli` runs from the repository root without installing.
+them there). In a checkout they are the folders beside this one, and this folder
+holds a link to each (segctl/engine -> ../engine): `import segctl.engine`
+resolves through the file system alone, for Python and for static tools.
 """
 
 from __future__ import annotations
 
 import os
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and \
-        os.path.isfile(os.path.join(_ROOT, "engine", "__init__.py")):
-    __path__.append(os.path.join(_ROOT))   # noqa: F821 (a package's own __path__)
 
 # MLX on CUDA keeps one cuDNN attention graph per shape in a small cache (256
 # forward, 64 backward, read when MLX loads) and stops the process when it

@@ -66,7 +66,8 @@ def run_sweep(demo_dir: Path, home: Path, work: Path, on_batch=lambda sid: None)
         first = spec.trial not in tried
         tried.add(spec.trial)
         if first and spec.trial == oom:   # far below any step's peak: the guard stops step 1
-            job = dict(spec.job, memory=dict(spec.job["memory"], budget_gb=0.001))
+            job = spec.job.model_copy(update={
+                "memory": spec.job.memory.model_copy(update={"budget_gb": 0.001})})
             spec = spec.model_copy(update={"job": job})
         r = run_attempt(spec, work / "nodes",
                         send_events=lambda batch, a=spec.attempt: (c.ingest(a, batch),

@@ -78,7 +78,7 @@ def test_oom_above_segment_size_one_replans_smaller_on_the_same_node(tmp_path, p
     c.submit(sweep_of(payload, "s", retries=3))
     world.turns(c, 2)
     first = only(world)
-    assert first.job["memory"]["segment_size"] == N_LAYERS   # auto: the largest that fits
+    assert first.job.memory.segment_size == N_LAYERS   # auto: the largest that fits
     end(world, first, "oom", "crossed memory.budget_gb")
     world.turns(c, 1)
     t = c.state.trial(first.trial)
@@ -86,12 +86,12 @@ def test_oom_above_segment_size_one_replans_smaller_on_the_same_node(tmp_path, p
     assert f"re-plan below segment_size {N_LAYERS} after out of memory on a" in reasons(c, first.trial)
     second = only(world)   # placed again at once, smaller, on the same node
     assert second.trial == first.trial and second.attempt != first.attempt
-    assert second.job["memory"]["segment_size"] == N_LAYERS - 1 and node_of(c, second) == "a"
+    assert second.job.memory.segment_size == N_LAYERS - 1 and node_of(c, second) == "a"
     # and again: each re-plan goes below the size that ran out of memory last
     end(world, second, "oom", "crossed memory.budget_gb")
     world.turns(c, 1)
     assert c.state.trial(first.trial)["max_segment"] == N_LAYERS - 1
-    assert only(world).job["memory"]["segment_size"] == N_LAYERS - 2
+    assert only(world).job.memory.segment_size == N_LAYERS - 2
     assert [a["segment_size"] for a in attempts(c, first.trial)] == [4, 3, 2]
     assert [a["outcome"] for a in attempts(c, first.trial)] == [Outcome.OOM, Outcome.OOM, None]
 
@@ -103,7 +103,7 @@ def test_oom_at_segment_size_one_alone_on_a_node_excludes_it(tmp_path, payload):
     world.turns(c, 2)
     first = only(world)
     was = node_of(c, first)
-    assert first.job["memory"]["budget_gb"] == 8.0   # the node's whole budget: not sharing
+    assert first.job.memory.budget_gb == 8.0   # the node's whole budget: not sharing
     end(world, first, "oom", "crossed memory.budget_gb")
     world.turns(c, 1)
     t = c.state.trial(first.trial)
@@ -112,7 +112,7 @@ def test_oom_at_segment_size_one_alone_on_a_node_excludes_it(tmp_path, payload):
     # both nodes are free: it goes to the other one, never back to the one excluded
     second = only(world)
     other = node_of(c, second)
-    assert other != was and second.job["memory"]["segment_size"] == 1
+    assert other != was and second.job.memory.segment_size == 1
     end(world, second, "oom", "crossed memory.budget_gb")
     world.turns(c, 2)
     # out of memory at 1 on every node that matches: it fails (retries were left) saying so
@@ -135,7 +135,7 @@ def test_oom_under_the_jobs_own_budget_is_not_sharing(tmp_path, payload):
     c.submit(p)
     world.turns(c, 2)
     first = only(world)
-    assert first.job["memory"]["budget_gb"] == 2.0
+    assert first.job.memory.budget_gb == 2.0
     end(world, first, "oom", "crossed memory.budget_gb")
     world.turns(c, 1)
     t = c.state.trial(first.trial)
@@ -206,7 +206,7 @@ def test_oom_while_sharing_a_node_runs_next_on_a_node_to_itself(tmp_path, payloa
     world.turns(c, 2)
     again = [r.args[0] for r in live(world) if r.args[0].trial == victim.trial]
     assert len(again) == 1 and node_of(c, again[0]) == "b"
-    assert again[0].job["memory"]["budget_gb"] == b.memory_gb
+    assert again[0].job.memory.budget_gb == b.memory_gb
     assert c.state.attempt(again[0].attempt)["budget_gb"] == b.memory_gb
     assert not c.takes_work(b) and trials(c, sid)[f"{sid}-t005"] == TrialState.PENDING
     assert [node_of(c, r.args[0]) for r in live(world)].count("b") == 1
@@ -223,7 +223,7 @@ def test_oom_above_segment_size_one_while_sharing_replans_smaller_and_alone(tmp_
     c.submit(sweep_of(payload, "s", n=2, retries=3))
     world.turns(c, 2)
     victim, other = sorted((r.args[0] for r in live(world)), key=lambda s: s.attempt)
-    size = victim.job["memory"]["segment_size"]
+    size = victim.job.memory.segment_size
     assert size > 1 and c.state.attempt(victim.attempt)["budget_gb"] < 8.0
     end(world, victim, "oom", "crossed memory.budget_gb")
     world.turns(c, 2)
@@ -235,8 +235,8 @@ def test_oom_above_segment_size_one_while_sharing_replans_smaller_and_alone(tmp_
     end(world, other, "failed", "bad row")
     world.turns(c, 1)
     again = only(world)
-    assert again.trial == victim.trial and again.job["memory"]["segment_size"] < size
-    assert again.job["memory"]["budget_gb"] == 8.0
+    assert again.trial == victim.trial and again.job.memory.segment_size < size
+    assert again.job.memory.budget_gb == 8.0
 
 
 # ------------------------------------------------------------------ retries

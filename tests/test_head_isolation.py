@@ -595,7 +595,7 @@ def test_a_node_runs_as_many_trials_as_its_max_trials_and_its_memory_allow(tmp_p
     assert len(runs) == 3   # max_trials, not memory, is the bound on 8 GB
     for r in runs:   # each guarded at its predicted peak plus the margin, or its even share
         p = c._plan_now(c.state.trial(r.args[0].trial), world.nodes[0], {}).predicted_gb
-        assert r.args[0].job["memory"]["budget_gb"] == pytest.approx(
+        assert r.args[0].job.memory.budget_gb == pytest.approx(
             max(p / (1 - DEFAULT_MARGIN), world.nodes[0].memory_gb / 3))
     assert sum(c.held["a"].values()) <= world.nodes[0].memory_gb
     # one ends: the fourth takes its place
@@ -637,7 +637,7 @@ def test_a_node_alone_to_one_trial_lends_it_the_whole_budget(tmp_path, payload):
     c.submit(_fixed(payload, "s", n=2))
     world.turns(c, 2)
     [r] = running(world.agents["a"])
-    assert r.args[0].job["memory"]["budget_gb"] == world.nodes[0].memory_gb
+    assert r.args[0].job.memory.budget_gb == world.nodes[0].memory_gb
 
 
 def test_oom_at_size_one_excludes_the_node_and_retries_end_in_a_reason(tmp_path, payload):
@@ -682,5 +682,5 @@ def test_out_of_memory_while_sharing_runs_again_on_a_node_to_itself(tmp_path, pa
     world.turns(c, 2)
     [again] = running(world.agents["a"])
     assert again.args[0].trial == victim.trial
-    assert again.args[0].job["memory"]["budget_gb"] == world.nodes[0].memory_gb
+    assert again.args[0].job.memory.budget_gb == world.nodes[0].memory_gb
     assert trials(c, sid)[victim.trial] == TrialState.PLACED

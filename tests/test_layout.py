@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -95,7 +97,27 @@ def test_the_worker_module_resolves_by_name_with_nothing_on_its_path(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == str(ROOT / "node" / "worker.py")
+    assert Path(proc.stdout.strip()).resolve() == ROOT / "node" / "worker.py"
+
+
+def test_a_checkout_resolves_segctl_subpackages_through_its_links_alone(tmp_path):
+    """segctl/engine is a link to engine/ (one per entry of pyproject's package-dir),
+    so the file system alone says where `segctl.engine` is: no path is added at
+    run time, and a static tool follows it as Python does. Here with no site
+    packages at all (no editable install's finder), the checkout on the path."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in dirs.items():
+        if name.count(".") == 1:
+            link = ROOT / "segctl" / name.split(".")[1]
+            assert link.is_symlink() and link.resolve() == ROOT / folder, link
+    assert "__path__" not in (ROOT / "segctl" / "__init__.py").read_text()
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import importlib.util as u; "
+            "print(u.find_spec('segctl.node.worker').origin)")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(ROOT / "segctl" / "node" / "worker.py")
 
 
 def test_segctl_sizes_mlxs_attention_caches_before_mlx_loads(tmp_path):
