@@ -204,6 +204,8 @@ def restart_host(lab: Lab, name: str) -> Host:
     `lab.hosts` now record. Refuses while anything still runs in the host."""
     with system.locked(lab.root):
         state = _read_state(lab.root)
+        if state is None:
+            raise LabError(f"no lab recorded at {lab.root}")
         i = next((k for k, h in enumerate(state["hosts"]) if h["name"] == name), None)
         if i is None:
             raise LabError(f"no host {name!r} in the lab at {lab.root}")
@@ -560,8 +562,8 @@ def _wait_sshd(root: Path, h: Host) -> Host:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         pid = system.read_pid(etc / INIT_PID)
-        is_sshd = pid and system.exe(pid) == str(SSHD)
-        if is_sshd and system.port_open(h.address, 22):
+        is_sshd = pid is not None and system.exe(pid) == str(SSHD)
+        if pid is not None and is_sshd and system.port_open(h.address, 22):
             return Host(**{**asdict(h), "sshd_pid": pid, "sshd_started": start_time(pid)})
         logs = [etc / "boot.log", etc / "sshd.log"]
         said = "".join(p.read_text(errors="replace") for p in logs if p.exists())

@@ -118,7 +118,7 @@ class HeadAPI:
             self.stores.put_probe(req["model_key"], row)
             self.state.count_probe(tid, cls, event["fits"])
             # plans made before this measurement are stale
-            self.fitted.pop(req["model_key"], None)
+            self.tuned.forget(req["model_key"])
             self.plans.clear()
 
     # ------------------------------------------------------------ from agents

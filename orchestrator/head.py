@@ -45,7 +45,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ray
 
@@ -66,6 +66,7 @@ from segctl.schemas.records import (
 from . import outcomes, placement, probing
 from .api import HeadAPI
 from .intake import error_line, read_input
+from .memory_settings import Tuned, resolved
 from .placement_turn import PlacementTurn
 from .snapshot import Trial
 from .state import State, attempt_of, sweep_record
@@ -114,7 +115,7 @@ class Controller(HeadAPI, PlacementTurn):
         self.wait, self.get = wait or ray.wait, get or ray.get
         self.mu = threading.RLock()
         self.nodes: dict[str, NodeInfo] = {}
-        self.agents: dict[str, object] = {}
+        self.agents: dict[str, Any] = {}         # node -> its agent (a Ray actor handle)
         self.held: dict[str, dict] = {}         # node -> {attempt (or "tune:ID"): GB it holds}
         self.free_since: dict[str, float] = {}  # node -> when it last became free
         self.inflight: dict[object, Flight] = {}  # the ref of its end time -> the attempt
@@ -125,13 +126,13 @@ class Controller(HeadAPI, PlacementTurn):
         self.plans: dict[tuple, object] = {}    # (trial, class, budget, max_segment) -> Plan
         self.placements = 0                     # attempts placed by this head, counted
         self.served: dict[str, int] = {}        # sweep -> the count when it last got a node
-        self.fitted: dict[str, dict] = {}       # model key -> {measured.match_key: MemoryModel}
+        self.tuned = Tuned(self.root)          # the plan table's measured models, read once each
         self.probing: dict[object, tuple[str, str, str]] = {}   # ref -> (tune, class, node)
         self.nodes_seen = 0.0
         self.trackers = HeadStreams(self.root, self.log)   # report_to: a thread of its own
         self.wake = threading.Event()          # set by requests that may make work runnable
         self.waiting = self.state.waiting()    # trial -> why it waits, as state.db has it
-        self.waiting_noted = (float("-inf"), None)   # (when, (sweeps, nodes)) all were last
+        self.waiting_noted: tuple[float, object] = (float("-inf"), None)   # (when, (sweeps, nodes)) all were last
         self.recover()
 
     # ------------------------------------------------------------ the loop
@@ -292,10 +293,7 @@ class Controller(HeadAPI, PlacementTurn):
             line = self.fault(f"trial {tid}: reading its inputs on the head", e)
             self.state.move(tid, TrialState.FAILED, line, message=line)
             return self._maybe_done(t.sweep)
-        job = JobSpec.model_validate(t.job)
-        job = job.model_copy(update={"memory": job.memory.model_copy(update={
-            "segment_size": plan.segment_size, "offload": "disk" if plan.offload else "none",
-            "budget_gb": d.budget_gb})})
+        job = resolved(JobSpec.model_validate(t.job), plan, d.budget_gb)
         # Runnable since: the trial was pending and this node was free (the later).
         ready = max(t.runnable_since, self.free_since.get(node.name, 0.0))
         aid = self.state.add_attempt(tid, node=node.name, chip=node.chip,
@@ -343,7 +341,7 @@ class Controller(HeadAPI, PlacementTurn):
         `segctl resume` and on the head's restart) and does not hold the trial. A
         success whose adapter cannot be stored is not a success: the trial runs again.
         What the trial does next is outcomes.after's decision."""
-        a = self.state.attempt(aid)
+        a = self.state.known_attempt(aid)
         tid, sid = a["trial"], a["sweep"]
         peak = max(a["peak_gb"] or 0.0, r.peak_gb or 0.0) or None
         self.state.update_attempt(aid, status=AttemptStatus.ENDED.value, outcome=r.outcome.value,
@@ -375,7 +373,7 @@ class Controller(HeadAPI, PlacementTurn):
         used = 0
         if outcomes.charged(r.outcome):
             try:
-                retries = sweep_record(self.state.sweep(sid))["retries"]
+                retries = sweep_record(self.state.known_sweep(sid)).retries
             except ValueError as e:   # its row in state.db is unusable: no retry can be counted
                 retries = str(e)
             used = self.state.charged_attempts(tid)
@@ -388,7 +386,8 @@ class Controller(HeadAPI, PlacementTurn):
             elif isinstance(d, outcomes.Fail):
                 self.state.move(tid, TrialState.FAILED, d.reason, attempt=aid, message=d.message)
             elif isinstance(d, outcomes.Replan):
-                bounds = {} if d.max_segment is None else {"max_segment": d.max_segment}
+                bounds: dict[str, object] = ({} if d.max_segment is None
+                                             else {"max_segment": d.max_segment})
                 if d.excluded is not None:
                     bounds["excluded"] = json.dumps(list(d.excluded))
                 self.state.move(tid, TrialState.PENDING, d.reason, attempt=aid, **bounds)
@@ -399,7 +398,7 @@ class Controller(HeadAPI, PlacementTurn):
         self._maybe_done(sid)
 
     def _maybe_done(self, sid: str) -> None:
-        state = self.state.sweep(sid)["state"]
+        state = self.state.known_sweep(sid)["state"]
         if state in (SweepState.RUNNING, SweepState.INTERRUPTED) and not self.state.unfinished(sid):
             self.state.set_sweep_state(sid, SweepState.DONE, "every trial finished")
 
@@ -414,7 +413,7 @@ class Controller(HeadAPI, PlacementTurn):
         return done
 
     def _seal(self, aid: int) -> bool:
-        a = self.state.attempt(aid)
+        a = self.state.known_attempt(aid)
         row = {k: a[k] for k in ("trial", "attempt_no", "node", "chip", "segment_size",
                                  "predicted_gb", "budget_gb", "outcome", "message", "started",
                                  "ended", "peak_gb", "final_loss", "val_loss")}

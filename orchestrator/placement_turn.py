@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from segctl.schemas.defaults import DEFAULT_MARGIN, DEFAULT_SCALE
+from segctl.schemas.defaults import DEFAULT_MARGIN
 from segctl.schemas.job import JobSpec
 from segctl.schemas.records import NodeInfo, SweepState, TrialState, TuneState
 
-from . import fairshare, measured, placement, planner, probing
-from .snapshot import Trial
+from . import fairshare, placement, planner, probing
+from .memory_settings import plan_for
+from .snapshot import Sweep, Trial
 from .state import sweep_record, trial_of
 
 WAITING_WHOLE_UPTO = 2000  # pending trials whose reasons to wait are written every turn
@@ -50,14 +51,13 @@ class PlacementTurn:
         for s in self.state.running_sweeps():
             try:   # a row an older or hostile writer left unusable fails its sweep alone
                 spec = sweep_record(s)
-                created = float(s["created"])
             except Exception as e:
                 self.fail_sweep(s["id"], self.fault(f"sweep {s['id']}: reading it from state.db", e))
                 continue
             sweeps[s["id"]] = spec
             turn.append(fairshare.Contender(
-                sweep=s["id"], priority=spec["priority"], share=spec["share"],
-                created=created, cap=spec["concurrency"],
+                sweep=s["id"], priority=spec.priority, share=spec.share,
+                created=spec.created, cap=spec.concurrency,
                 pending=self.state.count_trials(s["id"], [TrialState.PENDING]),
                 running=runs[s["id"]],
                 served=self.served.get(s["id"], 0)))
@@ -97,7 +97,7 @@ class PlacementTurn:
         self._note_waiting(placement.waiting_reasons(
             turn, {c.sweep: pending[c.sweep].all() for c in turn}, why, nodes=len(self.nodes),
             slots=self.slots()))
-        self.waiting_noted = (now, shape)
+        self.waiting_noted: tuple[float, object] = (now, shape)
 
     def _note_waiting(self, waiting: dict[str, tuple[str, str]],
                       looked_at=None) -> None:
@@ -113,16 +113,16 @@ class PlacementTurn:
                     del self.waiting[t]
                 self.waiting.update({t: v[1] for t, v in changed.items()})
 
-    def _place_trial(self, spec: dict, t: Trial, free: list[NodeInfo],
+    def _place_trial(self, spec: Sweep, t: Trial, free: list[NodeInfo],
                      eligible: dict) -> str | None:
         """Apply placement.place_trial for trial `t` of a sweep (`spec`: its
         sweep_record): start it on the node chosen (taking the node out of `free`
         once it is full), fail it, or return why it waits. None when it went; ''
         when it failed. `eligible`: the turn's cache for placement.eligible."""
-        knobs = spec.get("planner") or {}
+        knobs = dict(spec.planner)
         margin = knobs.get("margin", DEFAULT_MARGIN)
         d = placement.place_trial(
-            t, self.state.last_attempt_record(t.id), placement=spec.get("placement") or {},
+            t, self.state.last_attempt_record(t.id), placement=spec.placement,
             margin=margin, nodes=self.nodes, free=free, held=self.held, cache=eligible,
             plan=lambda n, budget_gb: (self._plan(t, n, knobs) if budget_gb is None else
                                        self._plan_now(t, n, knobs, budget_gb=budget_gb)))
@@ -173,20 +173,11 @@ class PlacementTurn:
         """The planner's answer for trial `t` (a Trial, or its state.db row) on `node`."""
         if not isinstance(t, Trial):
             t = trial_of(t)
-        job = JobSpec.model_validate(t.job)
-        info = planner.ModelInfo.from_dict(t.model_info)
-        return planner.plan(info, job, seq_len=t.seq_len,
-                            budget_gb=node.memory_gb if budget_gb is None else budget_gb,
-                            margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", DEFAULT_SCALE),
-                            below=t.max_segment,
-                            measured=self._measured(info, job, node.node_class))
-
-    def _measured(self, info, job: JobSpec, node_class: str):
-        """The tuned memory model for this trial on this class, if one was measured."""
-        key = planner.model_key(info)
-        if key not in self.fitted:
-            self.fitted[key] = measured.models_of(measured.read_plan(self.root, key))
-        return self.fitted[key].get(planner.tune_key(job, node_class))
+        return plan_for(self.tuned, planner.ModelInfo.from_dict(t.model_info),
+                        JobSpec.model_validate(t.job), seq_len=t.seq_len,
+                        node_class=node.node_class,
+                        budget_gb=node.memory_gb if budget_gb is None else budget_gb,
+                        knobs=knobs, below=t.max_segment)
 
 class _PendingIds:
     """The ids of a sweep's pending trials in its order, read from state.db a page

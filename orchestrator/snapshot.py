@@ -16,6 +16,20 @@ from segctl.schemas.states import Outcome, TrialState
 
 
 @dataclass(frozen=True)
+class Sweep:
+    """A running sweep as a placement turn schedules it: what the head schedules by,
+    and the cluster's planner knobs it was submitted under."""
+    id: str
+    priority: int = 0
+    share: float = 1.0
+    concurrency: Optional[int] = None
+    retries: int = 3
+    placement: Mapping[str, str] = field(default_factory=dict)
+    planner: Mapping[str, float] = field(default_factory=dict)   # margin, scale
+    created: float = 0.0
+
+
+@dataclass(frozen=True)
 class Trial:
     """A trial as the controller plans, places and ends it."""
     id: str

@@ -42,7 +42,7 @@ from segctl.schemas.states import (
 )
 from segctl.schemas.sweep import SweepSpec
 
-from .snapshot import Attempt, Trial
+from .snapshot import Attempt, Sweep, Trial
 from .state_db import TransitionError, connect, version
 
 # The columns each reader gets, by name: no caller depends on the tables' order.
@@ -115,6 +115,17 @@ class State:
         rows = self.q(sql, args)
         return rows[0] if rows else None
 
+    def count(self, sql: str, args: Iterable = ()) -> int:
+        """A `SELECT COUNT(*) AS n ...` query's n (such a query always has its row)."""
+        return int(self.q(sql, args)[0]["n"])
+
+    def known_sweep(self, sid: str) -> sqlite3.Row:
+        """Sweep `sid`'s row, which must exist (KeyError otherwise)."""
+        row = self.sweep(sid)
+        if row is None:
+            raise KeyError(f"no sweep named {sid!r}")
+        return row
+
     def close(self) -> None:
         self.con.close()
 
@@ -163,7 +174,7 @@ class State:
 
     def scheduler(self, sid: str) -> Optional[SchedulerSpec]:
         """Sweep `sid`'s early stopping (its `scheduler:`), typed; None without one."""
-        spec = json.loads(self.sweep(sid)["spec"]).get("scheduler")
+        spec = json.loads(self.known_sweep(sid)["spec"]).get("scheduler")
         return SchedulerSpec.model_validate(spec) if spec else None
 
     def sweeps(self) -> list[sqlite3.Row]:
@@ -198,10 +209,13 @@ class State:
     def trial(self, tid: str) -> Optional[sqlite3.Row]:
         return self.one(f"SELECT {TRIAL} FROM trials WHERE id = ?", (tid,))
 
-    def trial_record(self, tid: str) -> Optional[Trial]:
-        """Trial `tid` typed, its JSON decoded (ValueError on a row left wrong)."""
+    def trial_record(self, tid: str) -> Trial:
+        """Trial `tid` typed, its JSON decoded (ValueError on a row left wrong,
+        KeyError when there is none)."""
         row = self.trial(tid)
-        return None if row is None else trial_of(row)
+        if row is None:
+            raise KeyError(f"no trial named {tid!r}")
+        return trial_of(row)
 
     def trials(self, sid: str, state: TrialState | None = None) -> list[sqlite3.Row]:
         """A sweep's trials (those in `state` when given) in their sweep's order."""
@@ -229,8 +243,8 @@ class State:
 
     def count_trials(self, sid: str, states: Iterable[TrialState]) -> int:
         marks, values = _placeholders(s.value for s in states)
-        return self.one(f"SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN ({marks})",
-                        (sid, *values))["n"]
+        return self.count(f"SELECT COUNT(*) AS n FROM trials WHERE sweep = ? AND state IN ({marks})",
+                          (sid, *values))
 
     def unfinished(self, sid: str) -> int:
         """How many of a sweep's trials are not yet in a terminal state."""
@@ -274,6 +288,13 @@ class State:
     def attempt(self, aid: int) -> Optional[sqlite3.Row]:
         return self.one(f"SELECT {ATTEMPT} FROM attempts WHERE id = ?", (aid,))
 
+    def known_attempt(self, aid: int) -> sqlite3.Row:
+        """Attempt `aid`'s row, which must exist (KeyError otherwise)."""
+        row = self.attempt(aid)
+        if row is None:
+            raise KeyError(f"no attempt {aid}")
+        return row
+
     def attempts(self, tid: str) -> list[sqlite3.Row]:
         """A trial's attempts, the first first."""
         return self.q(f"SELECT {ATTEMPT} FROM attempts WHERE trial = ? ORDER BY id", (tid,))
@@ -303,8 +324,8 @@ class State:
     def charged_attempts(self, tid: str) -> int:
         """A trial's ended attempts that count against its sweep's retries (an
         interrupted one was the head's doing, not the trial's)."""
-        return self.one("SELECT COUNT(*) AS n FROM attempts WHERE trial = ? AND outcome IS NOT NULL"
-                        " AND outcome != ?", (tid, Outcome.INTERRUPTED.value))["n"]
+        return self.count("SELECT COUNT(*) AS n FROM attempts WHERE trial = ? AND outcome IS NOT NULL"
+                          " AND outcome != ?", (tid, Outcome.INTERRUPTED.value))
 
     # -------------------------------------------------------------- rungs (asha)
     def rung_values(self, sid: str, rung: int) -> dict[str, float]:
@@ -367,9 +388,7 @@ class State:
 
     def status(self, sid: str | None) -> list[dict]:
         """Per sweep, per trial: state, the attempts (node, segment size, outcome, peak)."""
-        sweeps = self.sweeps() if sid is None else [self.sweep(sid)]
-        if sweeps == [None]:
-            raise KeyError(f"no sweep named {sid!r}")
+        sweeps = self.sweeps() if sid is None else [self.known_sweep(sid)]
         out = []
         for s in sweeps:
             trials, waiting = [], self.waiting(s["id"])
@@ -520,7 +539,7 @@ class _Tx:
 
 # ------------------------------------------------------------------ typed records
 
-def sweep_record(row) -> dict:
+def sweep_record(row) -> Sweep:
     """A sweep's row of state.db as the placement turn uses it: its spec with the
     row's own columns (priority, concurrency, retries, placement: what the head
     schedules by) held to SweepSpec, the planner's knobs to PlannerSpec, every value
@@ -539,10 +558,15 @@ def sweep_record(row) -> dict:
     try:
         sweep = SweepSpec.model_validate(given)
         knobs = PlannerSpec.model_validate(spec.get("planner") or {})
+        created = float(row["created"])
     except ValidationError as e:
         err = e.errors()[0]
         raise ValueError(one_line(f"{'.'.join(map(str, err['loc']))}: {err['msg']}")) from None
-    return dict(sweep.model_dump(mode="json"), planner=knobs.model_dump())
+    except (TypeError, ValueError) as e:
+        raise ValueError(one_line(f"created: not a time ({e})")) from None
+    return Sweep(id=row["id"], priority=sweep.priority, share=sweep.share,
+                 concurrency=sweep.concurrency, retries=sweep.retries,
+                 placement=dict(sweep.placement), planner=knobs.model_dump(), created=created)
 
 
 def trial_of(row) -> Trial:

@@ -119,7 +119,7 @@ class Stores:
         except (KeyError, TypeError) as e:
             raise ValueError(f"attempt {attempt}: every event must be a JSON object with an "
                              f"integer 'seq' ({type(e).__name__}: {e})") from None
-        with self._lock, _transaction(self._db(write=True)) as con:
+        with self._lock, _transaction(self._write_db()) as con:
             self._register(con, sweep, trial, attempt)
             if _sealed(con, attempt):
                 return 0   # everything it sent is in its files; this is a late re-delivery
@@ -139,7 +139,7 @@ class Stores:
             if row.get(key, want) != want:
                 raise ValueError(f"attempt {attempt}: attempts row: {key} is {row[key]!r}, not {want!r}")
         with self._lock:
-            con = self._db(write=True)
+            con = self._write_db()
             if self._known.get(attempt) != (sweep, trial):
                 with _transaction(con):
                     self._register(con, sweep, trial, attempt)
@@ -383,6 +383,12 @@ class Stores:
                 self._give_back_pages()
             return self._con
 
+    def _write_db(self) -> sqlite3.Connection:
+        """The writer's staging.db connection (made where it is missing)."""
+        con = self._db(write=True)
+        assert con is not None   # only a reader finds no file
+        return con
+
     def _read(self, sql: str, args: tuple) -> list[tuple]:
         with self._lock:
             con = self._db(write=False)
@@ -415,6 +421,7 @@ class Stores:
         """Sealed attempts whose staging rows are still there (sealed by a segctl that
         kept them): their events file first, then the rows go."""
         con = self._con
+        assert con is not None   # the writer's, open
         for attempt, sweep, trial in con.execute(
                 "SELECT attempt, sweep, trial FROM attempts a WHERE sealed IS NOT NULL AND "
                 "EXISTS (SELECT 1 FROM events e WHERE e.attempt = a.attempt)").fetchall():
@@ -432,6 +439,7 @@ class Stores:
         them, a bounded number per call (each one moved is a page written, under the
         lock every ingest takes). The file itself shrinks at the WAL's next checkpoint."""
         con = self._con
+        assert con is not None   # the writer's, open
         if self._vacuums and con.execute("PRAGMA freelist_count").fetchone()[0] >= VACUUM_PAGES:
             # executescript: execute() steps the pragma once, and one step frees one page
             con.executescript(f"PRAGMA incremental_vacuum({VACUUM_PAGES * 4});")
@@ -628,7 +636,8 @@ def phase_peaks(events: list[dict]) -> tuple[np.ndarray, list[str], list[int]]:
     for e in events:
         if e.get("event") != "phase":
             continue
-        row, seen = rows.setdefault(int(e["step"]), {}), {}
+        row = rows.setdefault(int(e["step"]), {})
+        seen: dict[str, int] = {}
         for label, peak in e["phases"]:
             # a label twice in one step gets its own column: "label#2"
             n = seen[label] = seen.get(label, 0) + 1

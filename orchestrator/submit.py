@@ -8,11 +8,11 @@ import functools
 import hashlib
 from pathlib import Path
 
-from segctl.schemas.cluster import DEFAULT_MARGIN, DEFAULT_SCALE
 from segctl.schemas.records import NodeInfo
 from segctl.schemas.sweep import Sweep
 
 from . import planner
+from .memory_settings import Tuned, plan_for
 
 
 def prepare(sweep: Sweep, knobs: dict, tokens: dict | None = None) -> dict:
@@ -66,8 +66,7 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None,
     batch does not fit, the reason names the largest batch that would."""
     from segctl.schemas.job import JobSpec
 
-    from . import measured
-    fitted: dict[str, dict] = {}
+    tuned = Tuned(root)
     classes: dict = {}
     for n in nodes:
         classes.setdefault(n.node_class, n)
@@ -82,13 +81,8 @@ def plan_rows(payload: dict, nodes: list[NodeInfo], root: Path | None = None,
             if not n.matches(placement):
                 per[cls] = {"fits": False, "reason": "placement excludes it"}
                 continue
-            key = planner.model_key(info)
-            if key not in fitted:
-                fitted[key] = measured.models_of(measured.read_plan(root, key)) if root else {}
-            at = lambda seq_len: planner.plan(
-                info, job, seq_len=seq_len, budget_gb=n.memory_gb,
-                margin=knobs.get("margin", DEFAULT_MARGIN), scale=knobs.get("scale", DEFAULT_SCALE),
-                measured=fitted[key].get(planner.tune_key(job, cls)))
+            at = lambda seq_len: plan_for(tuned, info, job, seq_len=seq_len, node_class=cls,
+                                          budget_gb=n.memory_gb, knobs=knobs)
             p = at(t["seq_len"])
             reason = p.reason
             if not p.fits and tokens and t["name"] in tokens and job.train.batch_size > 1:

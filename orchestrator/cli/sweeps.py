@@ -268,19 +268,21 @@ def logs(trial, cluster_file, follow: bool):
     if db.trial(trial) is None:
         _fail(f"no trial named {trial!r} (segctl status lists them)")
     stores = Stores(root)
-    last_event, last_seq = 0, {}
+    last_event = 0
+    last_seq: dict[int, int] = {}   # attempt -> the last event seq shown
     while True:
         lines = []   # (time, line): transitions and engine events in the order they happened
-        for e in db.events(last_event, trial=trial):
-            last_event = e["id"]
-            lines.append((e["time"], views.transition_line(e)))
+        for move in db.events(last_event, trial=trial):
+            last_event = move["id"]
+            lines.append((move["time"], views.transition_line(move)))
         for a in db.attempts(trial):
-            for e in stores.events(a["id"], last_seq.get(a["id"], -1)):
-                last_seq[a["id"]] = e["seq"]
-                lines.append((e.get("time", 0), views.engine_line(e)))
+            for event in stores.events(a["id"], last_seq.get(a["id"], -1)):
+                last_seq[a["id"]] = event["seq"]
+                lines.append((event.get("time", 0), views.engine_line(event)))
         for _, line in sorted(lines, key=lambda x: x[0]):
             click.echo(line)
-        if not follow or state.is_terminal(db.trial(trial)["state"]):
+        row = db.trial(trial)
+        if not follow or row is None or state.is_terminal(row["state"]):
             break
         time.sleep(0.5)
 

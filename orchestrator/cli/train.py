@@ -85,7 +85,8 @@ def _resolve_auto(job, job_file):
         return job
     from segctl.engine.data import DataError
     from segctl.node.hardware import default_name, probe
-    from segctl.orchestrator import measured, planner
+    from segctl.orchestrator import planner
+    from segctl.orchestrator.memory_settings import Tuned, plan_for, resolved
     from segctl.schemas.records import NodeInfo
     try:
         info = planner.model_info(job.model)
@@ -95,13 +96,11 @@ def _resolve_auto(job, job_file):
     hw = probe()
     budget = job.memory.budget_gb or hw.memory_gb
     here = NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb).node_class
-    tuned = measured.models_of(measured.read_plan(stores_root(None), planner.model_key(info)))
-    plan = planner.plan(info, job, seq_len=seq_len, budget_gb=budget,
-                        measured=tuned.get(planner.tune_key(job, here)))
+    plan = plan_for(Tuned(stores_root(None)), info, job, seq_len=seq_len, node_class=here,
+                    budget_gb=budget)
     key = "segment_size" if job.memory.segment_size == "auto" else "offload"
     if not plan.fits:
         _fail(f"{job_file}: memory.{key}: auto: {plan.reason}")
     disk = "disk" if plan.offload else "none"
     click.echo(views.resolved_line(job.memory, plan, disk, budget), err=True)
-    return job.model_copy(update={"memory": job.memory.model_copy(
-        update={"segment_size": plan.segment_size, "offload": disk})})
+    return resolved(job, plan)
