@@ -59,20 +59,21 @@ def measure(home: Path, sid: str) -> dict:
     import pyarrow.dataset as ds
 
     from segctl.orchestrator.state import read
+    from segctl.schemas.states import TrialState
     state = read(home / "state.db")
     trials = [dict(t) for t in state.q("SELECT id, state, val_loss FROM trials WHERE sweep = ?",
                                        (sid,))]
     attempts = [dict(a) for a in state.q(
         "SELECT trial, placed, started, ended, step, outcome FROM attempts WHERE sweep = ?", (sid,))]
     state.close()
-    done = {t["id"] for t in trials if t["state"] == "SUCCEEDED"}
+    done = {t["id"] for t in trials if t["state"] == TrialState.SUCCEEDED}
     evals = ds.dataset(home / "telemetry" / "evals", partitioning="hive").to_table(
         filter=ds.field("sweep") == sid).to_pylist()
     spans = [(a["started"], a["ended"]) for a in attempts if a["started"] and a["ended"]]
     return {
         "trials": len(trials),
         "succeeded": len(done),
-        "stopped": sum(t["state"] == "STOPPED" for t in trials),
+        "stopped": sum(t["state"] == TrialState.STOPPED for t in trials),
         "best_val_loss": min(t["val_loss"] for t in trials if t["id"] in done),
         "best_eval_val_loss": min(e["val_loss"] for e in evals if e["trial"] in done),
         "node_s": round(sum(e - s for s, e in spans), 2),

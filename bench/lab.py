@@ -29,6 +29,7 @@ import yaml
 
 from bench.orchestrator import row
 from segctl.schemas.defaults import DEFAULT_PORT
+from segctl.schemas.states import TrialState
 
 HEAD_PORT = DEFAULT_PORT
 
@@ -69,7 +70,7 @@ def sweep_once(lab, nodes: list[str], trials: int, iters: int, max_trials: int) 
         st = json.loads(must(ssh(lab, "h1", f"segctl status --cluster {name}.yaml --json"),
                              "status"))
         [sw] = [s for s in st if s["name"] == name]
-        if sub.returncode or any(t["state"] != "SUCCEEDED" for t in sw["trials"]):
+        if sub.returncode or any(t["state"] != TrialState.SUCCEEDED for t in sw["trials"]):
             raise SystemExit(f"sweep {name} failed: {sub.stderr[-2000:]}")
         attempts = [a for t in sw["trials"] for a in t["attempts"]]
         ingest = bench_ingest(lab, nodes[0], attempts[0]["attempt"]) if max_trials == 1 else None

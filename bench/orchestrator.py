@@ -76,6 +76,7 @@ def bench_ingest_stores(rows: int, batch: int) -> None:
 
 def bench_fleet(nodes: int, trials: int, iters: int, rows: int, batch: int, port: int) -> None:
     from segctl.engine.demo import write_demo
+    from segctl.schemas.states import TrialState
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         write_demo(d / "demo", "qwen3", n_train=60, n_valid=8)
@@ -100,7 +101,7 @@ def bench_fleet(nodes: int, trials: int, iters: int, rows: int, batch: int, port
             st = segctl("status", "--cluster", d / "cluster.yaml", "--json")
             [sw] = json.loads(st.stdout)
             attempts = [a for t in sw["trials"] for a in t["attempts"]]
-            if sub.returncode or any(t["state"] != "SUCCEEDED" for t in sw["trials"]):
+            if sub.returncode or any(t["state"] != TrialState.SUCCEEDED for t in sw["trials"]):
                 sys.exit(f"sweep failed: {sub.stderr[-2000:]}")
             disp = [a["dispatch_s"] for a in sorted(attempts, key=lambda a: a["started"])]
             row(bench="dispatch", nodes=nodes, attempts=len(disp),

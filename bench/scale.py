@@ -157,7 +157,7 @@ def run(a) -> dict:
     from segctl.orchestrator.state import read as read_state
     from segctl.orchestrator.submit import prepare
     from segctl.schemas.cluster import ClusterSpec, HeadSpec
-    from segctl.schemas.records import TERMINAL, SweepState
+    from segctl.schemas.records import TERMINAL, SweepState, TrialState
 
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     d = Path(tempfile.mkdtemp(prefix="segctl-scale-", dir=a.dir))
@@ -219,7 +219,7 @@ def run(a) -> dict:
     status = json.loads(p.stdout)
     trials = [t for sw in status for t in sw["trials"]]
     attempts = [x for t in trials for x in t["attempts"]]
-    ok = sum(t["state"] == "SUCCEEDED" for t in trials)
+    ok = sum(t["state"] == TrialState.SUCCEEDED for t in trials)
     one = trials[len(trials) // 2]["trial"]
     timings["logs_s"], p = cli("logs", one, env=env)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from segctl.schemas.states import Outcome
+from segctl.schemas.states import Outcome, TrialState
 from tests.conftest import assert_one_line_error, edit_job, segctl
 
 # A learning rate this large makes val_loss worse within a few evals: patience 2 ends
@@ -200,7 +200,7 @@ def test_best_ranks_by_the_best_eval_and_only_its_own_attempts_best(stopped, tmp
     st.put_adapter("s-1", "s-1-t000", 1, files("adapters.safetensors"), step=6)
     st.put_adapter("s-1", "s-1-t001", 2, files("adapters.safetensors"), step=6)   # no best
     st.put_adapter("s-1", "s-1-t002", 3, files("adapters.safetensors"), step=6)
-    trials = [{"trial": t, "state": "SUCCEEDED", "params": {}, "metrics": {"val_loss": v}}
+    trials = [{"trial": t, "state": TrialState.SUCCEEDED, "params": {}, "metrics": {"val_loss": v}}
               for t, v in (("s-1-t000", 9.0), ("s-1-t001", 0.7), ("s-1-t002", 0.8))]
     got = json.loads((gather(st, trials, tmp_path / "x", best=2) / "manifest.json").read_text())
     assert [(m["trial"], m["adapter"], m["step"]) for m in got] == \

@@ -154,7 +154,7 @@ def test_a_sweep_made_wrong_in_state_db_fails_alone_and_the_others_complete(
     assert sweep_state(c, bad) == SweepState.FAILED
     assert set(trials(c, bad).values()) == {TrialState.FAILED}
     [why] = [e["reason"] for e in c.state.q(
-        "SELECT reason FROM events WHERE sweep = ? AND trial IS NULL AND to_state = 'FAILED'", (bad,))]
+        "SELECT reason FROM events WHERE sweep = ? AND trial IS NULL AND to_state = ?", (bad, SweepState.FAILED.value))]
     assert f"sweep {bad}: reading it from state.db" in why and "\n" not in why
     message = c.state.trials(bad)[0]["message"]
     assert message == why

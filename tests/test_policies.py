@@ -13,6 +13,7 @@ from segctl.orchestrator import asha, outcomes, placement, probing
 from segctl.orchestrator.snapshot import Attempt, Trial
 from segctl.schemas.records import AttemptResult, NodeInfo, Outcome, Plan, TrialState, TuneState
 from segctl.schemas.search import SchedulerSpec
+from segctl.schemas.states import TrialState
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("placement", "outcomes", "asha", "probing", "fairshare", "snapshot")
@@ -343,7 +344,7 @@ def test_every_pending_trial_has_the_reason_it_was_not_placed_or_its_sweeps():
 
 def test_a_trial_row_is_decoded_once_into_its_record():
     from segctl.orchestrator.state import attempt_of, trial_of
-    row = dict(id="s-t0", sweep="s", state="PENDING", job='{"memory": {"budget_gb": 2.0}}',
+    row = dict(id="s-t0", sweep="s", state=TrialState.PENDING, job='{"memory": {"budget_gb": 2.0}}',
                model_info="{}", seq_len=64, inputs='{"train.jsonl": "ab"}', max_segment=3,
                excluded='["b", "a"]', runnable_since=5.0)
     t = trial_of(row)

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from segctl.orchestrator.cli import main
 from segctl.orchestrator.head import Controller
 from segctl.schemas.errors import SpecError
-from segctl.schemas.states import TrialState
+from segctl.schemas.states import SweepState, TrialState
 from segctl.schemas.sweep import load_sweep, submitter
 from tests.conftest import assert_one_line_error, segctl
 from tests.test_controller import end, live, payload, sweep_of  # noqa: F401 (fixture)
@@ -369,10 +369,10 @@ def test_the_trials_table_wraps_its_last_column_under_itself_and_cuts_nothing():
     from segctl.orchestrator.views import trials_table
     reason = "no free node fits (needs 12.3 GB, largest free budget 8 GB)"
     message = "the engine stopped: " + "word " * 30 + "x" * 40
-    sweep = dict(sweep="s-1", state="RUNNING", owner="ann", priority=2, share=1.0, trials=[
-        dict(trial="s-1-t000", state="PENDING", params={"train.seed": 1}, message="",
+    sweep = dict(sweep="s-1", state=SweepState.RUNNING, owner="ann", priority=2, share=1.0, trials=[
+        dict(trial="s-1-t000", state=TrialState.PENDING, params={"train.seed": 1}, message="",
              val_loss=None, pending_reason=reason, attempts=[]),
-        dict(trial="s-1-t001", state="FAILED", params={}, message=message, val_loss=None,
+        dict(trial="s-1-t001", state=TrialState.FAILED, params={}, message=message, val_loss=None,
              attempts=[dict(outcome="failed", status="ended", node="n1", segment_size=2,
                             step=10, loss=1.5, peak_gb=3.2)])])
     for width in (100, 60):

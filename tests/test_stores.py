@@ -24,6 +24,7 @@ from segctl.orchestrator.blobs import read_data
 from segctl.orchestrator.gather import gather
 from segctl.orchestrator.stores import SCHEMA, Stores
 from segctl.schemas import store_rows as sr
+from segctl.schemas.states import TrialState
 from tests.conftest import cli_env
 
 PHASES = ["fwd0", "fwd1", "head", "bwd1", "bwd0", "update"]
@@ -500,12 +501,12 @@ def test_real_adapter_through_the_stores_into_mlx_lm(demo_dir, trained, tmp_path
     assert mem.attrs["phases"][-1] == "update" and not np.isnan(mem[...]).any()
 
     trials = [
-        {"trial": "demo-1-t000", "state": "SUCCEEDED", "params": {"lr": 1e-4},
+        {"trial": "demo-1-t000", "state": TrialState.SUCCEEDED, "params": {"lr": 1e-4},
          "metrics": {"val_loss": 2.5, "final_loss": 2.0}},
-        {"trial": "demo-1-t001", "state": "SUCCEEDED", "params": {"lr": 2e-4},
+        {"trial": "demo-1-t001", "state": TrialState.SUCCEEDED, "params": {"lr": 2e-4},
          "metrics": {"val_loss": 1.5, "final_loss": 2.2}},
-        {"trial": "demo-1-t002", "state": "FAILED", "params": {}, "metrics": {}},
-        {"trial": "demo-1-t003", "state": "SUCCEEDED", "params": {}, "metrics": {}},  # no adapter
+        {"trial": "demo-1-t002", "state": TrialState.FAILED, "params": {}, "metrics": {}},
+        {"trial": "demo-1-t003", "state": TrialState.SUCCEEDED, "params": {}, "metrics": {}},  # no adapter
     ]
     gathered = gather(st, trials, tmp_path / "export")
     manifest = json.loads((gathered / "manifest.json").read_text())
@@ -545,7 +546,7 @@ def test_gather_refuses_a_non_empty_out_and_leaves_nothing(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    trials = [{"trial": "t", "state": "SUCCEEDED", "params": {}, "metrics": {}}]
+    trials = [{"trial": "t", "state": TrialState.SUCCEEDED, "params": {}, "metrics": {}}]
     with pytest.raises(ValueError) as e:
         gather(st, trials, out)
     assert "not empty" in str(e.value) and "\n" not in str(e.value)
@@ -616,7 +617,7 @@ def test_stores_written_one_array_per_tensor_still_read(tmp_path):
     assert st.adapter_info("sw-1-t000", "best") == {"attempt": 2, "step": 20, "val_loss": 0.5}
     assert st.adapter_info("sw-1-t001") is None
     assert st.latest_checkpoint("sw-1-t000") == (30, ckpt)
-    trials = [{"trial": "sw-1-t000", "state": "SUCCEEDED", "params": {}, "metrics": {}}]
+    trials = [{"trial": "sw-1-t000", "state": TrialState.SUCCEEDED, "params": {}, "metrics": {}}]
     out = gather(st, trials, tmp_path / "out", best=1)
     assert (out / "sw-1-t000" / "adapters.safetensors").read_bytes() == files["adapters.safetensors"]
     assert json.loads((out / "manifest.json").read_text())[0]["adapter"] == "best"

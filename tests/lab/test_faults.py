@@ -40,6 +40,7 @@ from segctl import lab as lablib
 from segctl.orchestrator import state_db
 from segctl.orchestrator.stores import _checkpoint_dirs
 from segctl.schemas import store_rows as sr
+from segctl.schemas.states import Outcome, SweepState, TrialState
 
 from .conftest import run_in, ssh
 
@@ -155,7 +156,7 @@ def wait_for(cond, timeout: float, every: float = 0.5):
 
 
 def wait_done(lab, sid: str, timeout: float) -> str:
-    state = wait_for(lambda: (s := sweep_state(lab, sid)) != "RUNNING" and s, timeout)
+    state = wait_for(lambda: (s := sweep_state(lab, sid)) != SweepState.RUNNING and s, timeout)
     assert state, (f"sweep {sid} still running after {timeout:.0f} s",
                    [(a["id"], a["node"], a["status"], a["outcome"], a["step"])
                     for a in attempts(lab, sid)])
@@ -180,20 +181,20 @@ def check(lab, sid: str, watch: "LeftBehind") -> dict:
             "SELECT * FROM events WHERE sweep = ? AND trial IS NOT NULL ORDER BY id", (sid,))]
     finally:
         con.close()
-    assert sweep["state"] == "DONE", sweep
+    assert sweep["state"] == SweepState.DONE, sweep
 
     # every trial finished, with a stated reason when it did not succeed
     for tid, t in trials.items():
         last = [m for m in moves if m["trial"] == tid][-1]
         assert last["to_state"] == t["state"], (tid, last, t["state"])
-        assert t["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"), (tid, t["state"])
-        if t["state"] != "SUCCEEDED":
+        assert t["state"] in (TrialState.SUCCEEDED, TrialState.FAILED, TrialState.CANCELLED), (tid, t["state"])
+        if t["state"] != TrialState.SUCCEEDED:
             assert t["message"].strip() and last["reason"].strip(), (tid, t, last)
     # every attempt ended with an outcome (and why, unless it succeeded), and is sealed
     done = sealed(root)
     for a in tries:
         assert a["status"] == "ended" and a["outcome"], a
-        assert a["outcome"] == "succeeded" or a["message"].strip(), a
+        assert a["outcome"] == Outcome.SUCCEEDED or a["message"].strip(), a
         assert a["id"] in done, f"attempt {a['id']} is not sealed"
 
     # every step row once per attempt; a succeeded attempt has each of its steps once
@@ -205,24 +206,24 @@ def check(lab, sid: str, watch: "LeftBehind") -> dict:
     assert not doubled, f"step rows more than once: {doubled}"
     assert {a for a, _ in seen} <= {a["id"] for a in tries}
     for a in tries:
-        if a["outcome"] == "succeeded":
+        if a["outcome"] == Outcome.SUCCEEDED:
             total = json.loads(trials[a["trial"]]["job"])["train"]["iters"]
             have = sorted(s for (att, s) in seen if att == a["id"])
             assert have == list(range((a["resume_step"] or 0) + 1, total + 1)), (a["id"], have)
 
     # no finished trial ran again
     for tid, t in trials.items():
-        won = [a for a in tries if a["trial"] == tid and a["outcome"] == "succeeded"]
+        won = [a for a in tries if a["trial"] == tid and a["outcome"] == Outcome.SUCCEEDED]
         assert len(won) <= 1, (tid, won)
-        if t["state"] == "SUCCEEDED":
+        if t["state"] == TrialState.SUCCEEDED:
             assert len(won) == 1, (tid, [a for a in tries if a["trial"] == tid])
-            [done] = [m for m in moves if m["trial"] == tid and m["to_state"] == "SUCCEEDED"]
+            [done] = [m for m in moves if m["trial"] == tid and m["to_state"] == TrialState.SUCCEEDED]
             assert done["attempt"] == won[0]["id"], (tid, done)
             later = [a["id"] for a in tries if a["trial"] == tid and a["placed"] > done["time"]]
             assert not later, f"{tid} ran again after it succeeded: attempts {later}"
 
     # the adapters gathered on h1 are the bytes their nodes sent
-    succeeded = [tid for tid, t in trials.items() if t["state"] == "SUCCEEDED"]
+    succeeded = [tid for tid, t in trials.items() if t["state"] == TrialState.SUCCEEDED]
     if succeeded:
         out = f"gathered-{sid}"
         run(lab, "h1", f"rm -rf {out} && segctl gather {sid} --out {out} --cluster cluster.yaml")
@@ -235,7 +236,7 @@ def check(lab, sid: str, watch: "LeftBehind") -> dict:
         manifest = json.loads((lab.host("h1").home / out / "manifest.json").read_text())
         assert sorted(m["trial"] for m in manifest) == sorted(succeeded)
         for tid in succeeded:
-            [won] = [a for a in tries if a["trial"] == tid and a["outcome"] == "succeeded"]
+            [won] = [a for a in tries if a["trial"] == tid and a["outcome"] == Outcome.SUCCEEDED]
             folder = lab.host("h1").home / out / tid
             got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
             assert won["id"] in sent, f"attempt {won['id']}: no digest of the adapter its node sent"
@@ -394,8 +395,8 @@ def test_0_no_fault_the_checker_passes(whole, watch):
     sid = submit(lab, "calm", iters=20, every=5)
     wait_done(lab, sid, 60)
     got = check(lab, sid, watch)
-    assert all(t["state"] == "SUCCEEDED" for t in got["trials"].values())
-    assert {a["outcome"] for a in got["attempts"]} == {"succeeded"}
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
+    assert {a["outcome"] for a in got["attempts"]} == {Outcome.SUCCEEDED}
     print(f"\n[0] {sid}: {time.monotonic() - t0:.0f} s")
 
 
@@ -412,11 +413,11 @@ def test_a_link_cut_for_30_s_mid_attempt(whole, watch):
     wait_done(lab, sid, 100)
     got = check(lab, sid, watch)
     [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
-    assert ended["outcome"] in ("succeeded", "node_lost", "agent_error"), ended
-    if ended["outcome"] != "succeeded":   # ran again, from a checkpoint it had shipped
+    assert ended["outcome"] in (Outcome.SUCCEEDED, Outcome.NODE_LOST, Outcome.AGENT_ERROR), ended
+    if ended["outcome"] != Outcome.SUCCEEDED:   # ran again, from a checkpoint it had shipped
         later = later_attempts(got, ended)
         assert later and later[0]["resume_step"], later
-    assert all(t["state"] == "SUCCEEDED" for t in got["trials"].values())
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
     print(f"\n[a] {sid}: {victim['node']}'s attempt {ended['outcome']} ({ended['message']}); "
           f"{time.monotonic() - t0:.0f} s")
 
@@ -431,7 +432,7 @@ def test_b_a_host_powered_off_and_back(whole, watch):
     # the head finds the node gone (Ray's health checks) and sends its trial elsewhere
     lost = wait_for(lambda: next((a for a in attempts(lab, sid) if a["id"] == victim["id"]
                                   and a["status"] == "ended"), None), 60)
-    assert lost and lost["outcome"] == "node_lost", lost
+    assert lost and lost["outcome"] == Outcome.NODE_LOST, lost
     # `cluster up` starts the nodes Ray's node table does not list alive: wait
     # until Ray too has found the machine gone (a Mac rebooted overnight)
     assert wait_for(lambda: host not in alive_nodes(lab), 60, every=2), alive_nodes(lab)
@@ -443,7 +444,7 @@ def test_b_a_host_powered_off_and_back(whole, watch):
     got = check(lab, sid, watch)
     later = later_attempts(got, victim)
     assert later and later[0]["resume_step"] and later[0]["node"] != host, later
-    assert all(t["state"] == "SUCCEEDED" for t in got["trials"].values())
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
     print(f"\n[b] {sid}: {host} powered off (Ray saw it dead at {gone:.0f} s), back, joined "
           f"again; {time.monotonic() - t0:.0f} s")
 
@@ -462,14 +463,14 @@ def test_c_the_head_host_killed_and_restarted(whole, watch):
     run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
     resumed = run(lab, "h1", f"segctl resume {sid} --cluster cluster.yaml --json", timeout=180)
     got = check(lab, sid, watch)
-    cut = [a for a in got["attempts"] if a["outcome"] == "interrupted"]
+    cut = [a for a in got["attempts"] if a["outcome"] == Outcome.INTERRUPTED]
     assert cut and all("head restarted" in a["message"] for a in cut), got["attempts"]
     assert sum(a["trial"] in had for a in cut) >= 2, (had, cut)
     for a in cut:   # each went on in an attempt of its own, from its newest checkpoint
         later = later_attempts(got, a)   # (or a newer one the restarted head sealed)
         assert later and (later[0]["resume_step"] or 0) >= had.get(a["trial"], 0), \
             (a, later, had)
-    assert all(t["state"] == "SUCCEEDED" for t in got["trials"].values()), resumed.stderr
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values()), resumed.stderr
     print(f"\n[c] {sid}: {len(cut)} attempts interrupted; {time.monotonic() - t0:.0f} s")
 
 
@@ -497,10 +498,10 @@ def test_d_a_node_disk_fills_during_an_attempt(whole, watch):
         for n in disks:
             run_in(lab.host(n), ["umount", "-l", f"{WORK}/{n}"])
     [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
-    assert ended["outcome"] in ("failed", "agent_error"), ended
+    assert ended["outcome"] in (Outcome.FAILED, Outcome.AGENT_ERROR), ended
     assert "No space left on device" in ended["message"], ended
     trial = got["trials"][victim["trial"]]
-    if trial["state"] != "SUCCEEDED":
+    if trial["state"] != TrialState.SUCCEEDED:
         assert "No space left on device" in trial["message"], trial
     else:   # it went elsewhere
         assert later_attempts(got, ended)[-1]["node"] != host
@@ -526,7 +527,7 @@ def test_e_a_node_partitioned_from_the_head_trains_on(whole, watch):
     wait_done(lab, sid, 90)
     got = check(lab, sid, watch)
     [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
-    if ended["outcome"] == "succeeded":
+    if ended["outcome"] == Outcome.SUCCEEDED:
         # it trained through the partition, and what it did then landed (once: the
         # checker) when it healed
         during = [t for a, t in zip(got["steps"]["attempt"], got["steps"]["time"])
@@ -534,7 +535,7 @@ def test_e_a_node_partitioned_from_the_head_trains_on(whole, watch):
         assert during, "no step of the partitioned attempt ran during the partition"
     else:   # or the attempt was run again
         assert later_attempts(got, ended), got["attempts"]
-    assert all(t["state"] == "SUCCEEDED" for t in got["trials"].values())
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
     print(f"\n[e] {sid}: {victim['node']}'s attempt {ended['outcome']}; "
           f"{time.monotonic() - t0:.0f} s")
 
@@ -553,5 +554,5 @@ def test_f_a_head_restarted_between_sweeps_and_a_reader_that_comes_and_goes(whol
         run(lab, "h1", f"segctl logs {sid}-t000 --cluster cluster.yaml >/dev/null")
     wait_done(lab, sid, 60)
     got = check(lab, sid, watch)
-    assert all(t["state"] == "SUCCEEDED" for t in got["trials"].values())
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
     print(f"\n[f] {sid}: {time.monotonic() - t0:.0f} s")

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from segctl import lab as lablib
+from segctl.schemas.states import SweepState, TrialState
 from tests.conftest import segctl
 
 from .conftest import commands, ssh, where_readable
@@ -126,8 +127,8 @@ def test_a_sweep_spreads_over_three_hosts_that_fetch_the_model_from_the_head(fle
     status = run(lab, "h1", "segctl status --cluster cluster.yaml --json")
     fleet["json"].append(status.stdout)
     [sweep] = json.loads(status.stdout)
-    assert sweep["state"] == "DONE" and len(sweep["trials"]) == 4
-    assert all(t["state"] == "SUCCEEDED" for t in sweep["trials"]), sweep
+    assert sweep["state"] == SweepState.DONE and len(sweep["trials"]) == 4
+    assert all(t["state"] == TrialState.SUCCEEDED for t in sweep["trials"]), sweep
     ran_on = {a["node"] for t in sweep["trials"] for a in t["attempts"]}
     assert len(ran_on) >= 3 and ran_on <= set(NODES), ran_on
     fleet["sweep"] = sweep["sweep"]
@@ -228,7 +229,7 @@ def test_an_outsider_cannot_submit_cancel_or_read(fleet):
         assert fleet["sweep"] not in out.stdout
     # and the head saw nothing: still the one sweep, nothing cancelled
     [sweep] = json.loads(run(lab, "h1", "segctl status --cluster cluster.yaml --json").stdout)
-    assert sweep["sweep"] == fleet["sweep"] and sweep["state"] == "DONE"
+    assert sweep["sweep"] == fleet["sweep"] and sweep["state"] == SweepState.DONE
 
 
 DRIVER = """
