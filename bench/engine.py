@@ -44,6 +44,7 @@ from segctl.engine.data import Example, PreferenceExample
 from segctl.engine.demo import FAMILY_CONFIGS
 from segctl.engine.model import apply_lora, model_parts
 from segctl.engine.optim import apply_grads, make_optimizer
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import loss_and_grads
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
@@ -122,8 +123,6 @@ def run(args) -> dict:
                         kv_heads=args.kv_heads, head_dim=args.head_dim, tie=args.tie,
                         rope_theta=args.rope_theta, quantize=args.quantize)
     margs = getattr(model, "args", None)
-    # engine options newer than today's loss_and_grads: passed only when set
-    extra = {k: v for k, v in (("mlp_chunk", args.mlp_chunk), ("offload", args.offload)) if v}
     mx.random.seed(123)
     ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
     prompt_len = args.seq // 2
@@ -159,11 +158,15 @@ def run(args) -> dict:
                 print(f"phase {label} {clock[-1] - starts:.1f}s peak "
                       f"{phases[-1][1]:.2f} GB active {mx.get_active_memory() / 1e9:.2f} GB",
                       file=sys.stderr, flush=True)
-            loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=args.head_chunk,
-                                         attn_block=args.attn_block,
-                                         grad_checkpoint=args.mode == "checkpoint",
+            loss, grads = loss_and_grads(model, ex,
+                                         memory=StepMemory(segment_size=seg,
+                                                           head_chunk=args.head_chunk,
+                                                           attn_block=args.attn_block,
+                                                           mlp_chunk=args.mlp_chunk or 0,
+                                                           offload=args.offload or None,
+                                                           grad_checkpoint=args.mode == "checkpoint"),
                                          parts=parts, on_phase=on_phase if args.phases else None,
-                                         **orpo, **extra)
+                                         **orpo)
             apply_grads(model, opt, grads, 1.0)
             mx.eval(state, loss)
             return loss

@@ -42,6 +42,7 @@ from bench.engine import _device_name, bench_model
 from segctl.engine import offload as offload_mod
 from segctl.engine.data import Example
 from segctl.engine.model import model_parts
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import loss_and_grads
 
 # variant: whether a discrete GPU's copies are on ("memory" writes no file)
@@ -93,10 +94,13 @@ def main(argv=None) -> None:
             mx.clear_cache()
             mx.reset_peak_memory()
             t0 = time.perf_counter()
-            loss, grads = loss_and_grads(
-                model, example, segment_size=1, head_chunk=512, attn_block=1024, mlp_chunk=4096,
-                offload=None if variant == "memory" else scratch, parts=parts,
-                on_phase=lambda label: clock.append((label, time.perf_counter())), metrics=metrics)
+            loss, grads = loss_and_grads(model, example,
+                                         memory=StepMemory(segment_size=1, head_chunk=512,
+                                                           attn_block=1024, mlp_chunk=4096,
+                                                           offload=None if variant == "memory" else scratch),
+                                         parts=parts,
+                                         on_phase=lambda label: clock.append((label, time.perf_counter())),
+                                         metrics=metrics)
             mx.eval(loss, grads)
             step_s = time.perf_counter() - t0
             peak = mx.get_peak_memory() / 1e9

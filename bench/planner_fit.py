@@ -53,6 +53,7 @@ from segctl.engine.data import Example, PreferenceExample
 from segctl.engine.demo import demo_examples, write_model
 from segctl.engine.model import apply_lora, load_model, model_parts
 from segctl.engine.optim import apply_grads, make_optimizer
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import loss_and_grads
 from segctl.orchestrator.planner import ModelInfo, block_backward, kv_grad_sums, model_info, predict_gb
 from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK
@@ -236,8 +237,10 @@ def phase_row(model, parts, example, seg: int, ab: int, chunk: int) -> dict:
             gc.collect()
             mx.clear_cache()
             mx.reset_peak_memory()
-            loss, grads = loss_and_grads(model, example, segment_size=seg, attn_block=ab,
-                                         mlp_chunk=chunk, parts=parts)
+            loss, grads = loss_and_grads(model, example,
+                                         memory=StepMemory(segment_size=seg, attn_block=ab,
+                                                           mlp_chunk=chunk),
+                                         parts=parts)
             mx.eval(loss, grads)
             del loss, grads
     labels = [label for label, _, _ in log]
@@ -283,7 +286,7 @@ def write_bench_model(folder: Path, arch: str, layers: int, hidden: int, vocab: 
 
 def measure_peak_gb(model, example, *, segment_size: int, head_chunk: int = DEFAULT_HEAD_CHUNK,
                     attn_block: int = DEFAULT_ATTN_BLOCK, grad_checkpoint: bool = False, steps: int = 2,
-                    **method) -> float:
+                    mlp_chunk: int = 0, offload: str | None = None, **method) -> float:
     """Peak GB of `steps` training steps on `example`, measured as engine/train.py
     measures a step (a fresh AdamW, so step 1 also allocates its moments)."""
     parts = model_parts(model, check=False)
@@ -292,9 +295,13 @@ def measure_peak_gb(model, example, *, segment_size: int, head_chunk: int = DEFA
     for _ in range(steps):
         mx.clear_cache()
         mx.reset_peak_memory()
-        loss, grads = loss_and_grads(model, example, segment_size=segment_size,
-                                     head_chunk=head_chunk, attn_block=attn_block,
-                                     grad_checkpoint=grad_checkpoint, parts=parts, **method)
+        loss, grads = loss_and_grads(model, example,
+                                     memory=StepMemory(segment_size=segment_size,
+                                                       head_chunk=head_chunk,
+                                                       attn_block=attn_block, mlp_chunk=mlp_chunk,
+                                                       offload=offload,
+                                                       grad_checkpoint=grad_checkpoint),
+                                     parts=parts, **method)
         norm = apply_grads(model, optimizer, grads, 1.0)
         mx.eval(loss, norm, model.trainable_parameters(), optimizer.state)
         peak = max(peak, mx.get_peak_memory() / 1e9)

@@ -11,8 +11,7 @@ grad_checkpoint patches a class for the whole process), side by side in one run.
     python -m bench.suite table bench/results/mac.jsonl               # the table again
 
 The long plans (cpu-long, h200-long, mac) pass --mlp-chunk and --offload, which
-bench.engine hands to loss_and_grads only when set: on an engine without them
-those rows come back with "error", the others run.
+bench.engine puts in the step's StepMemory.
 
 Each row is printed as it lands; a configuration that fails prints a row with
 "error" instead of stopping the suite. When the plan is done, a table of its rows

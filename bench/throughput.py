@@ -312,6 +312,7 @@ def _segctl(model, optimizer, rows, cfg, args):
     from segctl.engine.data import Example
     from segctl.engine.model import model_parts
     from segctl.engine.optim import apply_grads
+    from segctl.engine.settings import StepMemory
     from segctl.engine.step import loss_and_grads, on_gpu, pack_refusal, side_refusal, supervised_tokens
     from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK
 
@@ -333,11 +334,12 @@ def _segctl(model, optimizer, rows, cfg, args):
         metrics: dict = {}
         mx.clear_cache()
         loss, grads = loss_and_grads(model, examples, method="sft",
-                                     segment_size=cfg["segment_size"],
-                                     head_chunk=DEFAULT_HEAD_CHUNK, attn_block=DEFAULT_ATTN_BLOCK,
-                                     mlp_chunk=DEFAULT_MLP_CHUNK, pack=pack, side=side,
-                                     pack_length=args.pack_length, micro=0, parts=parts,
-                                     metrics=metrics)
+                                     memory=StepMemory(segment_size=cfg["segment_size"],
+                                                       head_chunk=DEFAULT_HEAD_CHUNK,
+                                                       attn_block=DEFAULT_ATTN_BLOCK,
+                                                       mlp_chunk=DEFAULT_MLP_CHUNK),
+                                     pack=pack, side=side, pack_length=args.pack_length, micro=0,
+                                     parts=parts, metrics=metrics)
         apply_grads(model, optimizer, grads, GRAD_CLIP)
         del grads
         mx.eval(state, loss)

@@ -24,6 +24,7 @@ from segctl.schemas.records import ProbeSpec
 from .data import Example, PreferenceExample
 from .model import apply_lora, load_model, model_parts
 from .optim import make_optimizer
+from .settings import StepMemory
 from .step import pack_refusal
 from .train import OOMError, measured_step
 
@@ -58,11 +59,13 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
         for step in range(1, spec.steps + 1):
             try:
                 m = measured_step(model, optimizer, example, parts=parts, step=step,
-                                  budget=spec.budget_gb, segment_size=segment_size,
-                                  head_chunk=spec.head_chunk, attn_block=spec.attn_block,
-                                  mlp_chunk=spec.mlp_chunk,
-                                  grad_checkpoint=False, grad_clip=1.0, method=method,
-                                  pack=pack)
+                                  budget=spec.budget_gb,
+                                  memory=StepMemory(segment_size=segment_size,
+                                                    head_chunk=spec.head_chunk,
+                                                    attn_block=spec.attn_block,
+                                                    mlp_chunk=spec.mlp_chunk,
+                                                    grad_checkpoint=False),
+                                  grad_clip=1.0, method=method, pack=pack)
             except OOMError as e:
                 fits, message = False, str(e)
                 peak = max(peak, e.peak_gb)

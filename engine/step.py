@@ -50,6 +50,7 @@ from .layer import eager, layer_vjp
 from .model import ModelParts, model_parts
 from .offload import Boundaries
 from .plans import RowPlan, StepError, Stream, has_rope, make_plan, make_plans, packed_stream, side_stream, step_report
+from .settings import StepMemory
 
 PhaseHook = Callable[[str], None]
 
@@ -61,9 +62,7 @@ def plan_segments(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + segment_size, n_layers)) for lo in range(0, n_layers, segment_size)]
 
 
-def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_size: int,
-                   head_chunk: int = DEFAULT_HEAD_CHUNK, attn_block: int = 0, mlp_chunk: int = 0,
-                   offload: str | None = None, grad_checkpoint: bool = False,
+def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str = "sft",
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
                    pack: bool = False, side: bool = False, pack_length: int = 0,
@@ -85,15 +84,10 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
     prefix_shared (ORPO, DPO): one pass over
     [prompt | chosen | rejected] instead of two; a row it cannot serve runs
     two-branch, and `metrics["prefix_shared"]` says whether every row ran
-    shared. DPO first runs its reference forward (phase "ref"). attn_block
-    (segmented only): when the sequence is longer, each layer's attention
-    backward walks blocks of this many query rows (engine/attention.py).
-    mlp_chunk (segmented only): when the sequence is longer, each layer's
-    token-wise sublayers (its MLP) run this many rows at a time, forward and
-    backward (engine/layer.py). offload (segmented only): a folder where the
-    boundaries wait between the forward and the backward instead of memory
-    (engine/offload.py). `metrics`, when given, receives the step's preference
-    figures, means over its rows (ORPO: margin, accuracy, log_odds, nll; DPO:
+    shared. DPO first runs its reference forward (phase "ref"). `memory`: how
+    the step spends memory (segment size, head chunk, attention blocks, MLP
+    chunks, offload, grad_checkpoint: engine/settings.py). `metrics`, when
+    given, receives the step's preference figures, means over its rows (ORPO: margin, accuracy, log_odds, nll; DPO:
     margin, accuracy, chosen_reward, rejected_reward), its shape (rows,
     sequences, tokens: the sequences' tokens) and, with offload, the seconds the
     step waited for the disk (offload_write_wait_s, offload_read_wait_s) and spent
@@ -111,17 +105,16 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
                        micro=micro, align=side_align() if align is None else align,
                        prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
                        beta=beta,
-                       reference=partial(reference_sums, model, parts, head_chunk=head_chunk,
-                                         attn_block=attn_block, mlp_chunk=mlp_chunk,
+                       reference=partial(reference_sums, model, parts, head_chunk=memory.head_chunk,
+                                         attn_block=memory.attn_block, mlp_chunk=memory.mlp_chunk,
                                          on_phase=on_phase))
     loss, grads, reports = None, None, []
     offload_s: dict = {}
     for plan in plans:
-        if segment_size == 0:
-            part, got, sums = _plain(model, parts, plan, grad_checkpoint, on_phase)
+        if memory.segment_size == 0:
+            part, got, sums = _plain(model, parts, plan, memory.grad_checkpoint, on_phase)
         else:
-            part, got, sums = _segmented(model, parts, plan, segment_size, head_chunk, attn_block,
-                                         mlp_chunk, offload, on_phase, offload_s)
+            part, got, sums = _segmented(model, parts, plan, memory, on_phase, offload_s)
         # Accumulated and evaluated plan by plan: one more set of LoRA gradients
         # is all a batch adds to a row's memory.
         loss = part if loss is None else loss + part
@@ -134,7 +127,7 @@ def loss_and_grads(model: nn.Module, example, *, method: str = "sft", segment_si
         metrics.update(rows=len(batch), sequences=sum(s.batch for p in plans for s in p.streams),
                        tokens=sum(s.tokens for p in plans for s in p.streams),
                        padded=sum(len(s.ids) for p in plans for s in p.streams))
-        if segment_size and offload:
+        if memory.segment_size and memory.offload:
             metrics.update({f"offload_{key}_s": s for key, s in offload_s.items()})
     return loss, grads
 
@@ -462,11 +455,13 @@ class _Forward:
     boundaries: Boundaries  # each segment's input, in memory or on disk
 
 
-def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chunk, offload,
-               on_phase, offload_s):
+def _segmented(model, parts, plan, memory, on_phase, offload_s):
+    """The segmented step of one loss plan (docs/engine.md) under `memory` (a
+    StepMemory); `offload_s` gathers the seconds spent on boundaries on disk."""
     phase = on_phase or (lambda label: None)
+    head_chunk, attn_block, mlp_chunk = memory.head_chunk, memory.attn_block, memory.mlp_chunk
     layers = parts.layers
-    segments = plan_segments(len(layers), segment_size)
+    segments = plan_segments(len(layers), memory.segment_size)
     names = _trainable_names(model)
     params = [_layer_params(layer, i, parts.prefix) for i, layer in enumerate(layers)]
     _check_all_trainables_in_layers(names, params)
@@ -479,7 +474,7 @@ def _segmented(model, parts, plan, segment_size, head_chunk, attn_block, mlp_chu
     sums = 0
     with ExitStack() as scratch:  # boundaries on disk go at the end, whatever happens
         for stream, tag in zip(plan.streams, tags):
-            fwd = _Forward([], [], {}, scratch.enter_context(Boundaries(offload)))
+            fwd = _Forward([], [], {}, scratch.enter_context(Boundaries(memory.offload)))
             with _positions(parts, stream):
                 top = _forward(parts, stream, segments, base_seed, phase, tag,
                                attn_block if 0 < attn_block < stream.length else 0,

@@ -26,11 +26,13 @@ from segctl.schemas.atomic import fsync_dir, write_atomic
 from segctl.schemas.errors import UserError
 from segctl.schemas.job import JobSpec
 
+from . import distributed
 from . import step as step_module  # its on_gpu probe, which tests substitute
 from .data import DataError, Dataset, epoch_order, load_dataset_cached
 from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
 from .plans import StepError
+from .settings import StepMemory
 from .step import eval_loss, loss_and_grads, pack_refusal, side_refusal, supervised_tokens
 
 Emit = Callable[[ev.Event], None]
@@ -80,6 +82,9 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                                 dropout=job.lora.dropout, num_layers=job.lora.num_layers,
                                 keys=job.lora.keys)
     parts = model_parts(model, check=False)
+    # on several nodes: this process's place in the ring, joined before anything is
+    # written (every rank has checked its inputs by now)
+    ring = distributed.join(job.distributed)
     per_step = job.train.rows_per_step
     pack, pack_reason = packing(job, parts)
     side = side_by_side(job, parts)
@@ -94,6 +99,10 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     start_step, best = 0, BestSoFar()
     if ckpt is not None:
         start_step, best = load_checkpoint(ckpt, model, optimizer, per_step)
+    if ring is not None and distributed.add_up(ring, [start_step, start_step ** 2]) != [
+            ring.size * start_step, ring.size * start_step ** 2]:
+        raise distributed.RingError("distributed: the ranks resume from different steps "
+                                    "(each needs the same checkpoint)")
 
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "adapter_config.json", adapter_config)
@@ -108,12 +117,16 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   skipped=train_set.skipped + (valid_set.skipped if valid_set else 0),
                   trainable_params=n_trainable, batch_size=job.train.batch_size,
                   grad_accumulation=job.train.grad_accumulation, packed=pack,
-                  pack_reason=pack_reason, side_by_side=side))
+                  pack_reason=pack_reason, side_by_side=side,
+                  rank=ring.rank if ring else None, ranks=ring.size if ring else 1))
 
     budget = job.memory.budget_gb
     # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
     # (auto reaches a node already decided: the head writes disk or none into the job)
     scratch = str(out / "scratch") if job.memory.offload != "none" and seg else None
+    memory = StepMemory(segment_size=seg, head_chunk=job.memory.head_chunk,
+                        attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
+                        offload=scratch, grad_checkpoint=job.memory.grad_checkpoint)
     method = method_options(job)
     t_run = time.perf_counter()
     loss = val = stop = None
@@ -126,12 +139,10 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         # The RNG is a function of (seed, step): a resumed run draws what the
         # uninterrupted one would have.
         mx.random.seed(job.train.seed * 1_000_003 + step)
-        m = measured_step(model, optimizer, batch, parts=parts, step=step, budget=budget,
-                          segment_size=seg, head_chunk=job.memory.head_chunk,
-                          attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
-                          offload=scratch,
-                          grad_checkpoint=job.memory.grad_checkpoint,
-                          grad_clip=job.train.grad_clip, method=method, pack=pack_kw)
+        mine = distributed.share(batch, ring)   # this node's rows (all of them on one)
+        m = measured_step(model, optimizer, mine, parts=parts, step=step, budget=budget,
+                          memory=memory, grad_clip=job.train.grad_clip, method=method, pack=pack_kw,
+                          ring=ring)
         loss = float(m.loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
@@ -150,20 +161,25 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                      chosen_reward=m.metrics.get("chosen_reward"),
                      rejected_reward=m.metrics.get("rejected_reward"),
                      rows=len(batch), sequences=sequences, seq_tokens=seq_tokens,
-                     pack_efficiency=full))
+                     pack_efficiency=full, rank=ring.rank if ring else None,
+                     rank_rows=len(mine) if ring else None,
+                     allreduce_s=m.metrics.get("allreduce_s"),
+                     allreduce_bytes=m.metrics.get("allreduce_bytes")))
         if job.telemetry.phases:
             emit(ev.Phase(time=clock(), step=step, phases=m.phases))
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
                           or step == total):
-            val = evaluate(model, parts, valid_set, job, step, emit, clock)
-            if track_best(best, step, val, early.min_delta if early else 0.0):
+            val = evaluate(model, parts, valid_set, job, step, emit, clock, ring)
+            if track_best(best, step, val, early.min_delta if early else 0.0) and (
+                    ring is None or ring.writes):
                 _save_tensors(out / BEST_ADAPTER, model.trainable_parameters())
             if early and best.stale >= early.patience and step < total:
                 # before any checkpoint of this step: a resume reaches the same stop
                 stop = (f"val_loss did not improve by more than {early.min_delta:g} in "
                         f"{best.stale} eval(s); best {best.val_loss:.6g} at step {best.step}")
                 break
-        if job.train.checkpoint_every and step % job.train.checkpoint_every == 0 and step < total:
+        if (job.train.checkpoint_every and step % job.train.checkpoint_every == 0 and step < total
+                and (ring is None or ring.writes)):
             path = save_checkpoint(out, step, model, optimizer, adapter_config, job.train.seed,
                                    best, rows_per_step=per_step)
             emit(ev.Checkpoint(time=clock(), step=step, path=str(path)))
@@ -202,6 +218,10 @@ def run_reported(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: N
         return error("model", str(e), ev.EXIT_BAD_INPUT)
     except (DataError, StepError, OutputError) as e:
         return error("data", str(e), ev.EXIT_BAD_INPUT)
+    except distributed.RingError as e:
+        return error("distributed", str(e), ev.EXIT_BAD_INPUT)
+    except distributed.RankLost as e:
+        return error("distributed", str(e), ev.EXIT_RANK_LOST)
     except OOMError as e:
         return error("oom", str(e), ev.EXIT_OOM)
     except KeyboardInterrupt:
@@ -276,9 +296,8 @@ class MeasuredStep:
 
 
 def measured_step(model, optimizer, example, *, parts, step: int, budget: float | None,
-                  segment_size: int, head_chunk: int, attn_block: int, grad_checkpoint: bool,
-                  grad_clip: float | None, method: dict, mlp_chunk: int = 0,
-                  offload: str | None = None, pack: dict | None = None) -> MeasuredStep:
+                  memory: StepMemory, grad_clip: float | None, method: dict,
+                  pack: dict | None = None, ring: distributed.Ring | None = None) -> MeasuredStep:
     """One optimizer step over `example` (a row or a batch of them; `pack`: the
     step's pack, pack_length and micro keywords) under the memory guard, with each
     phase's own peak: the peak counter restarts at every phase boundary, so a
@@ -299,11 +318,13 @@ def measured_step(model, optimizer, example, *, parts, step: int, budget: float 
     mx.reset_peak_memory()
     tic = time.perf_counter()
     metrics: dict = {}
-    loss, grads = loss_and_grads(model, example, segment_size=segment_size, head_chunk=head_chunk,
-                                 attn_block=attn_block, mlp_chunk=mlp_chunk, offload=offload,
-                                 grad_checkpoint=grad_checkpoint,
-                                 parts=parts, on_phase=on_phase, metrics=metrics,
-                                 **(pack or {}), **method)
+    loss, grads = loss_and_grads(model, example, memory=memory, parts=parts, on_phase=on_phase,
+                                 metrics=metrics, **(pack or {}), **method)
+    if ring is not None:   # this rank's share -> the whole batch's (engine/distributed.py)
+        rows = example if isinstance(example, list) else [example]
+        weight = supervised_tokens(rows) if method["method"] == "sft" else len(rows)
+        loss, grads, cost = distributed.reduce_step(ring, loss, grads, weight)
+        metrics.update(cost)
     grad_norm = apply_grads(model, optimizer, grads, grad_clip)
     del grads
     mx.eval(loss, grad_norm, model.trainable_parameters(), optimizer.state)
@@ -354,9 +375,13 @@ def track_best(best: BestSoFar, step: int, val: float, min_delta: float) -> bool
     return False
 
 
-def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, clock) -> float:
+def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, clock,
+             ring: distributed.Ring | None = None) -> float:
+    """The validation loss over the eval's rows (each rank its share of them, the
+    sums added over the ranks); rank 0 alone emits it."""
     tic = time.perf_counter()
     rows = valid.examples if job.train.val_batches < 0 else valid.examples[:job.train.val_batches]
+    rows = distributed.share(list(rows), ring)
     model.eval()
     total, tokens = 0.0, 0
     method = method_options(job)
@@ -366,9 +391,13 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
                             parts=parts, **method)
         total, tokens = total + loss * n, tokens + n
     model.train()
+    if ring is not None:
+        summed, weight = distributed.add_up(ring, [total, tokens])
+        total, tokens = summed, int(weight)
     val = total / tokens
-    emit(ev.Eval(time=clock(), step=step, val_loss=val, val_tokens=tokens,
-                 seconds=time.perf_counter() - tic))
+    if ring is None or ring.writes:
+        emit(ev.Eval(time=clock(), step=step, val_loss=val, val_tokens=tokens,
+                     seconds=time.perf_counter() - tic))
     return val
 
 

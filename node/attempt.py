@@ -176,6 +176,11 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
         outcome, message = "oom", err["message"] if err else "memory budget crossed"
     elif code == ev.EXIT_BAD_INPUT:
         outcome, message = "failed", err["message"] if err else _last(stderr)
+    elif code == ev.EXIT_RANK_LOST:   # a peer of its ring is gone: as a lost node, retried
+        outcome, message = "node_lost", _last(stderr) or "a rank of the ring is gone"
+    elif code == -signal.SIGALRM:   # engine/distributed.py: its ring did not form in time
+        outcome = "node_lost"
+        message = "the ring did not form in distributed.timeout_s: a rank never joined"
     elif code < 0 or code == 137:
         # Killed by a signal we did not send: the process is gone as if its machine were.
         outcome = "node_lost"

@@ -10,7 +10,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from .names import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_OOM  # noqa: F401 (re-exported)
+from .names import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_OOM, EXIT_RANK_LOST  # noqa: F401 (re-exported)
 
 
 class Event(BaseModel):
@@ -34,6 +34,8 @@ class Start(Event):
     packed: bool = False           # whether a micro-batch's rows run packed into sequences
     pack_reason: Optional[str] = None  # data.pack auto: why the rows run unpacked here
     side_by_side: bool = False     # whether rows not packed run side by side, padded
+    rank: Optional[int] = None     # a job on several nodes (distributed.nodes): this process's
+    ranks: int = 1                 # place in the ring, and how many there are
 
 
 class Step(Event):
@@ -62,6 +64,12 @@ class Step(Event):
     # how full the sequences are: packed, their tokens over sequences x pack_length;
     # side by side, over the padded [rows, longest] batches they ran as
     pack_efficiency: Optional[float] = None
+    # A job on several nodes: this rank's, its share of the rows (`rows` is the whole
+    # step's), and the all_sum that made the step's gradient the whole batch's.
+    rank: Optional[int] = None
+    rank_rows: Optional[int] = None
+    allreduce_s: Optional[float] = None
+    allreduce_bytes: Optional[int] = None
 
 
 class Phase(Event):
@@ -101,7 +109,7 @@ class End(Event):
 
 class Error(Event):
     event: Literal["error"] = "error"
-    kind: Literal["oom", "data", "model", "internal"]
+    kind: Literal["oom", "data", "model", "distributed", "internal"]
     message: str
     step: Optional[int] = None
 

@@ -22,11 +22,13 @@ from .defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MAX_SEQ_LE
 from .limits import (
     MAX_BATCH,
     MAX_HIDDEN,
+    MAX_HOST_CHARS,
     MAX_KEY_CHARS,
     MAX_LAYERS,
     MAX_LIST_ITEMS,
     MAX_MEMORY_GB,
     MAX_NAME_CHARS,
+    MAX_RANKS,
     MAX_SEED,
     MAX_STEPS,
     MAX_TOKENS,
@@ -176,6 +178,21 @@ class MemorySpec(Strict):
         return self
 
 
+class DistributedSpec(Strict):
+    nodes: int = Field(1, ge=1, le=MAX_RANKS,
+                       description="machines the job trains on at once, each a share of every "
+                                   "step's rows (data parallel over MLX's distributed ring); 1: one")
+    backend: Literal["ring", "jaccl"] = Field(
+        "ring", description="ring: TCP between the nodes; jaccl: RDMA over Thunderbolt 5 (recent "
+                            "macOS on Macs that have it)")
+    interface: Optional[str] = Field(None, max_length=MAX_HOST_CHARS,
+                                     description="the network the ring uses, by interface name "
+                                                 "(default: the address each node joined with)")
+    timeout_s: float = Field(120.0, gt=0, le=86_400,
+                             description="a collective that makes no progress this long ends every "
+                                         "rank, which fails the attempt as a lost node")
+
+
 class TelemetrySpec(Strict):
     phases: bool = Field(False, description="emit the peak after each phase of the segmented step")
 
@@ -291,6 +308,7 @@ class JobSpec(Strict):
     train: TrainSpec
     memory: MemorySpec = MemorySpec()
     telemetry: TelemetrySpec = TelemetrySpec()
+    distributed: DistributedSpec = DistributedSpec()
     orpo: OrpoSpec = OrpoSpec()
     dpo: DpoSpec = DpoSpec()
     report_to: ReportTo = Field(
@@ -317,6 +335,8 @@ class JobSpec(Strict):
                     d.pop(section, None)
             if not self.report_to:
                 d.pop("report_to", None)
+            if self.distributed == DistributedSpec():   # one node: a dump reads as before
+                d.pop("distributed", None)
         return d
 
     @property
@@ -334,6 +354,14 @@ class JobSpec(Strict):
                              "dropout masks than its rows apart (use pack: auto or false)")
         if self.train.early_stop is not None and not self.data.valid:
             raise ValueError("train.early_stop needs data.valid (the validation set it watches)")
+        n = self.distributed.nodes
+        if n > 1 and self.train.rows_per_step < n:
+            raise ValueError(f"distributed.nodes: {n} nodes need at least {n} rows a step (each takes "
+                             f"a share); train.batch_size x grad_accumulation is "
+                             f"{self.train.rows_per_step}")
+        if n > 1 and self.lora.dropout > 0:
+            raise ValueError("distributed.nodes > 1 needs lora.dropout 0: a node's share of the rows "
+                             "would draw other dropout masks than the whole batch")
         return self
 
 

@@ -51,6 +51,7 @@ MAX_SEED = 2**32 - 1           # train.seed (the engine seeds MLX with seed * 10
 MAX_MEMORY_GB = 65_536         # a node's or a job's memory budget
 MAX_PORT = 65_535              # the head's port (1 ..)
 MAX_TRIALS_PER_NODE = 32       # a node's max_trials (its agent serves this many calls at once)
+MAX_RANKS = 256                # distributed.nodes: the machines one job trains across
 # A sweep is expanded into MAX_TRIALS copies of its job at most, each sent to the head
 # and kept in state.db: an 880 KB sweep made 2.2 MB trials, 22 GB in all. So lists are
 # bounded, and so are a trial's job and all of them together, sized before any is built.

@@ -15,3 +15,4 @@ DEMO_ARCHS = ("llama", "qwen3", "minicpm", "gemma", "gemma2", "gemma3_text", "ge
 
 # Exit codes of `segctl train`, so a supervisor can tell outcomes apart without parsing.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_OOM = 0, 1, 2, 3
+EXIT_RANK_LOST = 4   # a rank of a job on several nodes: a collective stalled past its timeout

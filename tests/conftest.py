@@ -128,6 +128,18 @@ def probe_fresh(spec, tmp: Path) -> list[dict]:
 WIDE = {"gemma4", "gemma4_text"}
 
 
+def step_kw(**kw) -> dict:
+    """loss_and_grads' keywords from a flat dict: the memory ones (segment_size,
+    head_chunk, ...) gathered into its `memory`, the others as they are. For tests
+    that sweep a table of settings."""
+    import dataclasses
+
+    from segctl.engine.settings import StepMemory
+    names = {f.name for f in dataclasses.fields(StepMemory)}
+    memory = {k: kw.pop(k) for k in list(kw) if k in names}
+    return {**kw, "memory": StepMemory(**memory)} if memory else kw
+
+
 def random_lora(model, *, dropout: float = 0.0):
     """Put rank-4 LoRA on every linear of `model` with every adapter weight drawn at
     random (seed the generator first): LoRA's B starts at zero, which would make

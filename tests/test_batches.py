@@ -14,6 +14,7 @@ from segctl.engine import Example, PreferenceExample, loss_and_grads
 from segctl.engine.attention import BlockMask
 from segctl.engine.model import model_parts
 from segctl.engine.plans import RowPlan, Stream, first_fit, make_plans, side_groups
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import pack_refusal, side_refusal, supervised_tokens
 from tests.conftest import assert_one_line_error, edit_job, segctl
 from tests.test_step import lora_model, worst_rel_error
@@ -34,7 +35,7 @@ def one_by_one(model, batch, method="sft", **kw):
     total = sum(weights)
     loss, grads = 0.0, {}
     for ex, w in zip(batch, weights):
-        l, g = loss_and_grads(model, ex, method=method, segment_size=0, **kw)
+        l, g = loss_and_grads(model, ex, method=method, memory=StepMemory(segment_size=0), **kw)
         loss += l.item() * w / total
         for k, v in g.items():
             grads[k] = grads[k] + v * (w / total) if k in grads else v * (w / total)
@@ -62,10 +63,11 @@ def test_a_batch_packed_or_apart_is_the_rows_one_by_one(tiny_models, arch):
                                           (0, False, True, 0, 0), (1, False, True, 0, 0),
                                           (2, False, True, 8, 0), (2, False, True, 8, 3)):
         metrics: dict = {}
-        loss, grads = loss_and_grads(model, batch, segment_size=seg, pack=pack, side=side,
-                                     pack_length=48 if pack else 100, micro=micro,
-                                     attn_block=block, mlp_chunk=7 if block else 0,
-                                     parts=parts, metrics=metrics)
+        loss, grads = loss_and_grads(model, batch,
+                                     memory=StepMemory(segment_size=seg, attn_block=block,
+                                                       mlp_chunk=7 if block else 0),
+                                     pack=pack, side=side, pack_length=48 if pack else 100,
+                                     micro=micro, parts=parts, metrics=metrics)
         case = (arch, seg, pack, side, block, micro)
         assert abs(loss.item() - loss0) <= TOL * abs(loss0), case
         assert worst_rel_error(grads, ref) <= TOL, case
@@ -99,10 +101,11 @@ def test_preference_rows_pack_as_whole_blocks(tiny_models):
         loss0, ref = one_by_one(model, batch, method, prefix_shared=False)
         for seg in (0, 1, 2):
             metrics: dict = {}
-            loss, grads = loss_and_grads(model, batch, method=method, segment_size=seg,
+            loss, grads = loss_and_grads(model, batch, method=method,
+                                         memory=StepMemory(segment_size=seg,
+                                                           attn_block=4 if seg == 2 else 0),
                                          pack=True, pack_length=64, prefix_shared=True,
-                                         attn_block=4 if seg == 2 else 0, parts=parts,
-                                         metrics=metrics)
+                                         parts=parts, metrics=metrics)
             assert abs(loss.item() - loss0) <= TOL * abs(loss0), (method, seg)
             assert worst_rel_error(grads, ref) <= TOL, (method, seg)
             # three shared rows in one sequence; the fourth's two branches apart
@@ -113,9 +116,10 @@ def test_preference_rows_pack_as_whole_blocks(tiny_models):
             # row's branches one after the other and each other row's as [2, longest]
             for pack_length, padded in ((200, 8 * 19), (30, 14 + 19 + 2 * 12 + 2 * 12 + 2 * 9)):
                 metrics = {}
-                loss, grads = loss_and_grads(model, batch, method=method, segment_size=seg,
-                                             side=True, pack_length=pack_length,
-                                             attn_block=4 if seg == 2 else 0, parts=parts,
+                loss, grads = loss_and_grads(model, batch, method=method,
+                                             memory=StepMemory(segment_size=seg,
+                                                               attn_block=4 if seg == 2 else 0),
+                                             side=True, pack_length=pack_length, parts=parts,
                                              metrics=metrics)
                 assert abs(loss.item() - loss0) <= TOL * abs(loss0), (method, seg, pack_length)
                 assert worst_rel_error(grads, ref) <= TOL, (method, seg, pack_length)
@@ -307,8 +311,8 @@ def test_rows_side_by_side_padded_past_their_longest_are_still_exact(tiny_models
     loss0, ref = one_by_one(model, batch)
     for seg in (0, 2):
         metrics: dict = {}
-        loss, grads = loss_and_grads(model, batch, segment_size=seg, side=True, pack_length=400,
-                                     align=16, parts=parts, metrics=metrics)
+        loss, grads = loss_and_grads(model, batch, memory=StepMemory(segment_size=seg), side=True,
+                                     pack_length=400, align=16, parts=parts, metrics=metrics)
         assert abs(loss.item() - loss0) <= TOL * abs(loss0), seg
         assert worst_rel_error(grads, ref) <= TOL, seg
         assert metrics["padded"] == 5 * 48   # the longest, 39 tokens, padded to 48

@@ -50,7 +50,8 @@ def test_forty_thousand_unknown_keys_validate_in_seconds(tmp_path):
     assert large < 20 and large < 40 * small + 1, (small, large)
     assert len(problems) == MAX_PROBLEMS + 1
     assert problems[0] == (f"{tmp_path}/job40000.yaml:5: k00000: unknown key (known: name, method, "
-                           "model, output, data, lora, train, memory, telemetry, orpo, dpo, report_to)")
+                           "model, output, data, lora, train, memory, telemetry, distributed, orpo, dpo, "
+                           "report_to)")
     assert problems[MAX_PROBLEMS - 1].startswith(f"{tmp_path}/job40000.yaml:54: k00049: ")
     assert problems[-1] == f"{tmp_path}/job40000.yaml: and 39950 more problems"
 

@@ -16,6 +16,7 @@ import segctl.engine.plans as plans
 import segctl.engine.step as step
 from segctl.engine.data import PreferenceExample
 from segctl.engine.model import load_model
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import StepError, adapter_off, eval_loss, loss_and_grads
 from segctl.schemas import SpecError
 from segctl.schemas.job import JobSpec, load_job
@@ -51,7 +52,8 @@ def test_dpo_value_is_the_formula_on_the_base_models_reference(tiny_models, arch
     expected = math.log1p(math.exp(-(rw - rr)))
     for seg, shared in ((0, False), (0, True), (2, False), (2, True)):
         metrics: dict = {}
-        loss, _ = loss_and_grads(model, ex, method="dpo", segment_size=seg, head_chunk=4,
+        loss, _ = loss_and_grads(model, ex, method="dpo",
+                                 memory=StepMemory(segment_size=seg, head_chunk=4),
                                  prefix_shared=shared, beta=beta, metrics=metrics)
         assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6), (seg, shared)
         # the rewards give back the reference sums: the base model's, adapter removed
@@ -73,19 +75,22 @@ def test_dpo_gradients_equal_plain_autodiff(tiny_models, arch):
     model = lora_model(tiny_models[arch])
     # A 20-token prompt runs past llama's and gemma's sliding windows (8 and 16).
     ex = preference(model.args.vocab_size, p=20, c=9, r=7, seed=1)
-    loss0, ref = loss_and_grads(model, ex, method="dpo", segment_size=0, beta=0.5)
+    loss0, ref = loss_and_grads(model, ex, method="dpo", memory=StepMemory(segment_size=0),
+                                beta=0.5)
     assert all(mx.max(mx.abs(g)).item() > 0 for g in ref.values())
     # (segment size, prefix-shared, head chunk, attention block); 0 = plain autodiff
     for seg, shared, chunk, block in ((0, True, 512, 0), (1, False, 512, 0), (1, True, 512, 0),
                                       (2, True, 3, 0), (2, False, 7, 7), (1, True, 512, 7)):
         metrics: dict = {}
-        loss, grads = loss_and_grads(model, ex, method="dpo", segment_size=seg, beta=0.5,
-                                     prefix_shared=shared, head_chunk=chunk, attn_block=block,
-                                     metrics=metrics)
+        loss, grads = loss_and_grads(model, ex, method="dpo",
+                                     memory=StepMemory(segment_size=seg, head_chunk=chunk,
+                                                       attn_block=block),
+                                     beta=0.5, prefix_shared=shared, metrics=metrics)
         assert metrics["prefix_shared"] is shared
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
         assert worst_rel_error(grads, ref) <= TOL, (arch, seg, shared, chunk, block)
-    _, grads = loss_and_grads(model, ex, method="dpo", segment_size=0, grad_checkpoint=True,
+    _, grads = loss_and_grads(model, ex, method="dpo",
+                              memory=StepMemory(segment_size=0, grad_checkpoint=True),
                               prefix_shared=True, beta=0.5)
     assert worst_rel_error(grads, ref) <= TOL
 
@@ -94,7 +99,7 @@ def test_the_reference_pass_is_its_own_phase(tiny_models):
     model = lora_model(tiny_models["llama"])
     ex = preference(model.args.vocab_size, seed=3)
     seen: list = []
-    loss_and_grads(model, ex, method="dpo", segment_size=2, prefix_shared=False,
+    loss_and_grads(model, ex, method="dpo", memory=StepMemory(segment_size=2), prefix_shared=False,
                    on_phase=seen.append)
     assert seen == ["ref", "fwd0", "fwd1", "fwd2", "head", "rejected.fwd0", "rejected.fwd1",
                     "rejected.fwd2", "rejected.head", "bwd2", "bwd1", "bwd0",
@@ -132,7 +137,7 @@ def test_dora_cannot_be_switched_off_by_its_scale(tiny_models):
 def test_the_switch_is_restored_when_the_step_raises(tiny_models, monkeypatch):
     model = lora_model(tiny_models["qwen3"])
     ex = preference(model.args.vocab_size, seed=5)
-    loss0, _ = loss_and_grads(model, ex, method="dpo", segment_size=1)
+    loss0, _ = loss_and_grads(model, ex, method="dpo", memory=StepMemory(segment_size=1))
     before = lora_state(model)
     assert before and all(scale == 2.0 for scale, _ in before)
 
@@ -141,9 +146,9 @@ def test_the_switch_is_restored_when_the_step_raises(tiny_models, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(step, "_head_logp", boom)   # raises inside the reference pass
         with pytest.raises(RuntimeError, match="head failed"):
-            loss_and_grads(model, ex, method="dpo", segment_size=1)
+            loss_and_grads(model, ex, method="dpo", memory=StepMemory(segment_size=1))
     assert lora_state(model) == before
-    loss, _ = loss_and_grads(model, ex, method="dpo", segment_size=1)
+    loss, _ = loss_and_grads(model, ex, method="dpo", memory=StepMemory(segment_size=1))
     assert loss.item() == loss0.item()
 
 
@@ -171,7 +176,7 @@ def test_the_reference_pass_leaves_dropout_and_its_random_draws_alone(tiny_model
     results = []
     for seg in (1, 2):
         mx.random.seed(7)
-        results.append(loss_and_grads(model, ex, method="dpo", segment_size=seg,
+        results.append(loss_and_grads(model, ex, method="dpo", memory=StepMemory(segment_size=seg),
                                       prefix_shared=True))
     (loss1, g1), (loss2, g2) = results
     assert abs(loss1.item() - loss2.item()) <= TOL * abs(loss1.item())
@@ -183,10 +188,10 @@ def test_unusable_examples_are_step_errors(tiny_models):
     ok = preference(model.args.vocab_size)
     with pytest.raises(StepError, match="empty rejected"):
         loss_and_grads(model, PreferenceExample(ok.prompt, ok.chosen, []), method="dpo",
-                       segment_size=1)
+                       memory=StepMemory(segment_size=1))
     with pytest.raises(StepError, match="method dpo takes a PreferenceExample"):
         loss_and_grads(model, random_example(model.args.vocab_size), method="dpo",
-                       segment_size=1)
+                       memory=StepMemory(segment_size=1))
 
 
 # ------------------------------------------------------------------ segctl train

@@ -18,6 +18,7 @@ import pytest
 
 from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import ModelError, check_length, model_parts
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import pack_refusal
 from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
 from tests.conftest import WIDE, random_lora
@@ -71,13 +72,15 @@ def test_family_trains_exactly_or_is_refused(family):
     vocab = _vocab(model)
     ids = mx.random.randint(1, vocab, (n,), key=mx.random.key(0)).tolist()
     ex = Example(ids, n // 4)
-    loss0, ref = loss_and_grads(model, ex, segment_size=0)
+    loss0, ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=0))
     # Real gradients (a family may leave a few exactly zero, e.g. q/k under a norm).
     live = sum(mx.max(mx.abs(g)).item() > 0 for g in ref.values())
     assert live >= len(ref) / 2, (family, live, len(ref))
     for seg in (1, 2):
-        loss, grads = loss_and_grads(model, ex, segment_size=seg, attn_block=BLOCK,
-                                     mlp_chunk=CHUNK, parts=parts)
+        loss, grads = loss_and_grads(model, ex,
+                                     memory=StepMemory(segment_size=seg, attn_block=BLOCK,
+                                                       mlp_chunk=CHUNK),
+                                     parts=parts)
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, seg)
         assert grads.keys() == ref.keys()
         worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
@@ -96,12 +99,13 @@ def _packs_exactly_or_says_why(model, parts, family, ids, n):
         assert "\n" not in why
         return
     batch = [Example(ids, n // 4), Example(ids[:n // 3], 2), Example(ids[-7:], 0)]
-    loss0, ref = loss_and_grads(model, batch, segment_size=0, pack=False)
+    loss0, ref = loss_and_grads(model, batch, memory=StepMemory(segment_size=0), pack=False)
     for seg in (1, 2):
         metrics: dict = {}
-        loss, grads = loss_and_grads(model, batch, segment_size=seg, attn_block=BLOCK,
-                                     mlp_chunk=CHUNK, pack=True, pack_length=2 * n, parts=parts,
-                                     metrics=metrics)
+        loss, grads = loss_and_grads(model, batch,
+                                     memory=StepMemory(segment_size=seg, attn_block=BLOCK,
+                                                       mlp_chunk=CHUNK),
+                                     pack=True, pack_length=2 * n, parts=parts, metrics=metrics)
         assert metrics["sequences"] == 1
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, seg)
         worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
@@ -129,14 +133,15 @@ def test_named_family_preference_methods_are_exact(family):
     for method in ("orpo", "dpo"):
         for shared in (False, True):
             metrics: dict = {}
-            loss0, ref = loss_and_grads(model, ex, method=method, segment_size=0,
-                                        prefix_shared=shared, metrics=metrics)
+            loss0, ref = loss_and_grads(model, ex, method=method,
+                                        memory=StepMemory(segment_size=0), prefix_shared=shared,
+                                        metrics=metrics)
             for seg in (1, 2):
                 got: dict = {}
-                loss, grads = loss_and_grads(model, ex, method=method, segment_size=seg,
-                                             attn_block=BLOCK, mlp_chunk=CHUNK,
-                                             prefix_shared=shared, parts=parts,
-                                             metrics=got)
+                loss, grads = loss_and_grads(model, ex, method=method,
+                                             memory=StepMemory(segment_size=seg, attn_block=BLOCK,
+                                                               mlp_chunk=CHUNK),
+                                             prefix_shared=shared, parts=parts, metrics=got)
                 assert got["prefix_shared"] == metrics["prefix_shared"]
                 assert abs(loss.item() - loss0.item()) <= TOL * max(abs(loss0.item()), 1e-3), \
                     (family, method, shared, seg)
@@ -180,9 +185,12 @@ def test_prefix_shared_preference_runs_exactly_or_falls_back(family):
     w = check_length(getattr(model, "language_model", model))
     toks = mx.random.randint(1, _vocab(model), (3 * w,), key=mx.random.key(3)).tolist()
     ex = PreferenceExample(toks[:w], toks[w:2 * w], toks[2 * w:3 * w - 3])
-    loss0, ref = loss_and_grads(model, ex, method="orpo", segment_size=0, prefix_shared=True)
-    loss, grads = loss_and_grads(model, ex, method="orpo", segment_size=2, attn_block=BLOCK,
-                                 mlp_chunk=CHUNK, prefix_shared=True, parts=parts)
+    loss0, ref = loss_and_grads(model, ex, method="orpo", memory=StepMemory(segment_size=0),
+                                prefix_shared=True)
+    loss, grads = loss_and_grads(model, ex, method="orpo",
+                                 memory=StepMemory(segment_size=2, attn_block=BLOCK,
+                                                   mlp_chunk=CHUNK),
+                                 prefix_shared=True, parts=parts)
     assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), family
     worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
     assert worst <= TOL, (family, worst)

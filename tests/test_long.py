@@ -14,8 +14,9 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from segctl.engine import Example, PreferenceExample, loss_and_grads
 from segctl.engine.layer import tokenwise_children
 from segctl.engine.model import model_parts
+from segctl.engine.settings import StepMemory
 from segctl.engine.train import OOMError
-from tests.conftest import free_earlier_arrays, random_lora
+from tests.conftest import free_earlier_arrays, random_lora, step_kw
 from tests.test_step import lora_model, random_example, worst_rel_error
 
 TOL = 1e-4
@@ -32,12 +33,14 @@ def test_mlp_chunks_and_offload_equal_plain(tiny_models, arch, tile, tmp_path, m
     parts = model_parts(model)
     assert all(names == ["mlp"] for names in parts.tokenwise)
     ex = random_example(model.args.vocab_size, n=41, prompt_len=13)
-    loss0, ref = loss_and_grads(model, ex, segment_size=0)
+    loss0, ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=0))
     # chunks that divide the row and that do not, alone and with attention blocks
     for seg, block, chunk, offload in ((1, 0, 8, None), (2, 0, 7, None), (1, 16, 13, None),
                                        (3, 7, 5, tmp_path), (5, 0, 40, tmp_path)):
-        loss, grads = loss_and_grads(model, ex, segment_size=seg, attn_block=block,
-                                     mlp_chunk=chunk, offload=offload, parts=parts)
+        loss, grads = loss_and_grads(model, ex,
+                                     memory=StepMemory(segment_size=seg, attn_block=block,
+                                                       mlp_chunk=chunk, offload=offload),
+                                     parts=parts)
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
         assert worst_rel_error(grads, ref) <= TOL, (arch, seg, block, chunk)
     assert os.listdir(tmp_path) == []
@@ -64,8 +67,8 @@ def test_offload_is_bit_identical_to_memory_two_branch(tiny_models, tmp_path):
     ids = mx.random.randint(1, model.args.vocab_size, (60,), key=mx.random.key(4)).tolist()
     ex = PreferenceExample(ids[:20], ids[20:40], ids[40:])
     kw = dict(method="orpo", segment_size=1, attn_block=16, mlp_chunk=9)
-    loss, grads = loss_and_grads(model, ex, **kw)
-    loss_d, grads_d = loss_and_grads(model, ex, offload=str(tmp_path / "scratch"), **kw)
+    loss, grads = loss_and_grads(model, ex, **step_kw(**kw))
+    loss_d, grads_d = loss_and_grads(model, ex, **step_kw(**kw, offload=str(tmp_path / "scratch")))
     assert loss.item() == loss_d.item()
     assert all(mx.array_equal(grads[k], grads_d[k]).item() for k in grads)
     assert os.listdir(tmp_path / "scratch") == []
@@ -81,7 +84,8 @@ def test_a_step_that_fails_midway_leaves_no_scratch_file(tiny_models, tmp_path):
         if label == "bwd2":
             raise OOMError("budget crossed", 1.0)
     with pytest.raises(OOMError):
-        loss_and_grads(model, ex, segment_size=1, offload=str(tmp_path), on_phase=phase)
+        loss_and_grads(model, ex, memory=StepMemory(segment_size=1, offload=str(tmp_path)),
+                       on_phase=phase)
     assert os.listdir(tmp_path) == []
     # the unlinked file's descriptor was open during the step and is closed now
     assert len(os.listdir(f"/proc/{os.getpid()}/fd")) < max(seen)
@@ -95,7 +99,7 @@ def _phase_peaks(model, ex, **kw):
         mx.reset_peak_memory()
     mx.clear_cache()
     mx.reset_peak_memory()
-    loss_and_grads(model, ex, on_phase=phase, **kw)
+    loss_and_grads(model, ex, on_phase=phase, **step_kw(**kw))
     return out
 
 
@@ -164,8 +168,8 @@ def test_layers_run_rows_apart_hold_less_and_step_the_same():
     fwd = lambda p: max(v for k, v in p.items() if k.startswith("fwd"))
     bwd = lambda p: max(v for k, v in p.items() if k.startswith("bwd"))
     assert fwd(cut) < 0.8 * fwd(kept) and bwd(cut) < 0.8 * bwd(kept), (cut, kept)
-    loss, grads = loss_and_grads(model, ex, parts=parts, **base)
-    loss0, ref = loss_and_grads(model, ex, segment_size=0)
+    loss, grads = loss_and_grads(model, ex, parts=parts, **step_kw(**base))
+    loss0, ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=0))
     assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
     assert worst_rel_error(grads, ref) <= TOL
 
@@ -236,8 +240,8 @@ def test_lora_dropout_keeps_the_mlp_whole(tiny_models):
     random_lora(model, dropout=0.3)
     ex = random_example(model.args.vocab_size, n=41)
     mx.random.seed(5)
-    loss0, ref = loss_and_grads(model, ex, segment_size=1)
+    loss0, ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=1))
     mx.random.seed(5)
-    loss, grads = loss_and_grads(model, ex, segment_size=1, mlp_chunk=8)
+    loss, grads = loss_and_grads(model, ex, memory=StepMemory(segment_size=1, mlp_chunk=8))
     assert loss.item() == loss0.item()
     assert all(mx.array_equal(grads[k], ref[k]).item() for k in ref)

@@ -12,12 +12,13 @@ import pytest
 
 from bench.engine import bench_model
 from segctl.engine import Example, loss_and_grads
+from tests.conftest import step_kw
 
 
 def peak_of(model, ex, **kw) -> float:
     mx.clear_cache()
     mx.reset_peak_memory()
-    loss, grads = loss_and_grads(model, ex, **kw)
+    loss, grads = loss_and_grads(model, ex, **step_kw(**kw))
     mx.eval(loss, grads)
     return mx.get_peak_memory() / 1e9
 

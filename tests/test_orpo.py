@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 from segctl.engine.data import PreferenceExample
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import StepError, eval_loss, loss_and_grads
 from tests.conftest import edit_job, segctl
 from tests.test_step import lora_model, random_example, worst_rel_error
@@ -48,7 +49,8 @@ def test_orpo_value_is_the_hand_computed_formula(tiny_models, scope):
     expected = nll + lam * math.log1p(math.exp(-log_odds))
     for seg, shared in ((0, False), (0, True), (2, False), (2, True)):
         metrics: dict = {}
-        loss, _ = loss_and_grads(model, ex, method="orpo", segment_size=seg, head_chunk=4,
+        loss, _ = loss_and_grads(model, ex, method="orpo",
+                                 memory=StepMemory(segment_size=seg, head_chunk=4),
                                  prefix_shared=shared, lambda_=lam, nll_scope=scope,
                                  metrics=metrics)
         assert loss.item() == pytest.approx(expected, rel=1e-5)
@@ -67,20 +69,23 @@ def test_orpo_gradients_equal_plain_autodiff(tiny_models, arch, scope):
     model = lora_model(tiny_models[arch])
     # A 20-token prompt runs past llama's and gemma's sliding windows (8 and 16).
     ex = preference(model.args.vocab_size, p=20, c=9, r=7, seed=1)
-    loss0, ref = loss_and_grads(model, ex, method="orpo", segment_size=0, nll_scope=scope)
+    loss0, ref = loss_and_grads(model, ex, method="orpo", memory=StepMemory(segment_size=0),
+                                nll_scope=scope)
     assert all(mx.max(mx.abs(g)).item() > 0 for g in ref.values())
     # (segment size, prefix-shared, head chunk, attention block); 0 = plain autodiff
     for seg, shared, chunk, block in ((0, True, 512, 0), (1, False, 512, 0), (1, True, 512, 0),
                                       (2, True, 3, 0), (2, False, 7, 7), (3, True, 5, 7),
                                       (1, True, 512, 7), (len(model.layers), True, 4, 0)):
         metrics: dict = {}
-        loss, grads = loss_and_grads(model, ex, method="orpo", segment_size=seg,
-                                     prefix_shared=shared, head_chunk=chunk, attn_block=block,
-                                     nll_scope=scope, metrics=metrics)
+        loss, grads = loss_and_grads(model, ex, method="orpo",
+                                     memory=StepMemory(segment_size=seg, head_chunk=chunk,
+                                                       attn_block=block),
+                                     prefix_shared=shared, nll_scope=scope, metrics=metrics)
         assert metrics["prefix_shared"] is shared
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
         assert worst_rel_error(grads, ref) <= TOL, (arch, seg, shared, chunk, block)
-    loss, grads = loss_and_grads(model, ex, method="orpo", segment_size=0, grad_checkpoint=True,
+    loss, grads = loss_and_grads(model, ex, method="orpo",
+                                 memory=StepMemory(segment_size=0, grad_checkpoint=True),
                                  prefix_shared=True, nll_scope=scope)
     assert worst_rel_error(grads, ref) <= TOL
 
@@ -89,14 +94,16 @@ def test_gemma4_sft_gradients_equal_plain_autodiff(tiny_models):
     model = lora_model(tiny_models["gemma4_text"])
     for seed, prompt_len in ((0, 13), (1, 0)):
         ex = random_example(model.args.vocab_size, n=41, prompt_len=prompt_len, seed=seed)
-        loss0, ref = loss_and_grads(model, ex, segment_size=0)
+        loss0, ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=0))
         for seg, chunk, block in ((1, 512, 0), (2, 7, 0), (3, 1, 0), (4, 16, 0), (6, 512, 0),
                                   (1, 512, 7), (3, 5, 16)):
-            loss, grads = loss_and_grads(model, ex, segment_size=seg, head_chunk=chunk,
-                                         attn_block=block)
+            loss, grads = loss_and_grads(model, ex,
+                                         memory=StepMemory(segment_size=seg, head_chunk=chunk,
+                                                           attn_block=block))
             assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item())
             assert worst_rel_error(grads, ref) <= TOL, (seg, chunk, block)
-        _, grads = loss_and_grads(model, ex, segment_size=0, grad_checkpoint=True)
+        _, grads = loss_and_grads(model, ex,
+                                  memory=StepMemory(segment_size=0, grad_checkpoint=True))
         assert worst_rel_error(grads, ref) <= TOL
 
 
@@ -106,10 +113,10 @@ def test_rows_whose_prompts_differ_run_two_branch(tiny_models, method):
     ex = preference(model.args.vocab_size, seed=2)
     other = PreferenceExample(ex.prompt, ex.chosen, ex.rejected,
                               rejected_prompt=ex.prompt[:-3] + [5, 6])
-    _, ref = loss_and_grads(model, other, method=method, segment_size=0)
+    _, ref = loss_and_grads(model, other, method=method, memory=StepMemory(segment_size=0))
     metrics: dict = {}
-    _, grads = loss_and_grads(model, other, method=method, segment_size=2, prefix_shared=True,
-                              metrics=metrics)
+    _, grads = loss_and_grads(model, other, method=method, memory=StepMemory(segment_size=2),
+                              prefix_shared=True, metrics=metrics)
     assert metrics["prefix_shared"] is False
     assert worst_rel_error(grads, ref) <= TOL
 
@@ -128,8 +135,9 @@ def test_prefix_shared_peak_is_below_two_branch(tmp_path):
         for shared in (False, True):
             mx.clear_cache()
             mx.reset_peak_memory()
-            loss, grads = loss_and_grads(model, ex, method="orpo", segment_size=seg,
-                                         attn_block=block, prefix_shared=shared)
+            loss, grads = loss_and_grads(model, ex, method="orpo",
+                                         memory=StepMemory(segment_size=seg, attn_block=block),
+                                         prefix_shared=shared)
             mx.eval(loss, grads)
             del loss, grads
             peaks[seg, shared] = mx.get_peak_memory() / 1e9
@@ -145,10 +153,10 @@ def test_unusable_preference_examples_are_step_errors(tiny_models):
                       (PreferenceExample(ok.prompt, [], ok.rejected), "empty chosen"),
                       (PreferenceExample(ok.prompt, ok.chosen, []), "empty rejected")):
         with pytest.raises(StepError, match=what):
-            loss_and_grads(model, bad, method="orpo", segment_size=1)
+            loss_and_grads(model, bad, method="orpo", memory=StepMemory(segment_size=1))
     with pytest.raises(StepError, match="PreferenceExample"):
         loss_and_grads(model, random_example(model.args.vocab_size), method="orpo",
-                       segment_size=1)
+                       memory=StepMemory(segment_size=1))
 
 
 def train_preference_demo(tmp_path, arch: str, method: str) -> list[dict]:

@@ -13,6 +13,7 @@ import pytest
 
 from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import load_model, model_parts
+from segctl.engine.settings import StepMemory
 from segctl.orchestrator import planner
 from tests.conftest import cli_env, random_lora, segctl
 from tests.test_train_cli import copy_demo
@@ -47,9 +48,11 @@ def test_segmented_gradients_on_a_quantized_base_are_exact(q4):
     parts = model_parts(model, check=False)
     vocab = model.args.vocab_size
     ex = Example(mx.random.randint(1, vocab, (60,), key=mx.random.key(1)).tolist(), 20)
-    loss0, ref = loss_and_grads(model, ex, segment_size=0)
+    loss0, ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=0))
     for seg, block in ((1, 0), (2, 16)):
-        loss, grads = loss_and_grads(model, ex, segment_size=seg, attn_block=block, parts=parts)
+        loss, grads = loss_and_grads(model, ex,
+                                     memory=StepMemory(segment_size=seg, attn_block=block),
+                                     parts=parts)
         assert abs(loss.item() - loss0.item()) <= 1e-4 * abs(loss0.item())
         for k in ref:
             err = mx.max(mx.abs(grads[k] - ref[k])).item() / mx.max(mx.abs(ref[k])).item()

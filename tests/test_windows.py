@@ -19,8 +19,9 @@ from segctl.engine import Example, loss_and_grads
 from segctl.engine.attention import BlockMask, attend, blocked_grads, default_rows
 from segctl.engine.data import PreferenceExample
 from segctl.engine.model import model_parts
+from segctl.engine.settings import StepMemory
 from segctl.engine.step import eval_loss
-from tests.conftest import WIDE, random_lora
+from tests.conftest import WIDE, random_lora, step_kw
 from tests.test_step import TOL, worst_rel_error
 
 W = 8
@@ -244,11 +245,11 @@ def test_window_layers_touch_only_window_keys(monkeypatch):
     for n in (300, 600):
         calls = spy_on_sdpa(monkeypatch)
         for block in (0, 16):
-            loss_and_grads(model, Example(tokens(n, n), n // 2), segment_size=1,
-                           attn_block=block, parts=parts)
+            loss_and_grads(model, Example(tokens(n, n), n // 2),
+                           memory=StepMemory(segment_size=1, attn_block=block), parts=parts)
         pair = PreferenceExample(tokens(n // 2, 1), tokens(n // 4, 2), tokens(n // 4, 3))
-        loss_and_grads(model, pair, method="orpo", prefix_shared=True, segment_size=1,
-                       attn_block=16, parts=parts)
+        loss_and_grads(model, pair, method="orpo", prefix_shared=True,
+                       memory=StepMemory(segment_size=1, attn_block=16), parts=parts)
         monkeypatch.undo()
         assert calls and max(keys for _, keys in calls) <= bound, n
         per_token[n] = sum(rows * keys for rows, keys in calls) / n
@@ -264,12 +265,15 @@ def test_sft_equals_plain_autodiff(family):
     assert any(parts.windows) and not all(parts.windows)
     for n, prompt_len in ((80, 20), (41, 0)):
         ex = Example(tokens(n, n), prompt_len)
-        ref = loss_and_grads(model, ex, segment_size=0)   # the model's own forward
+        ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=0))   # the model's own forward
         for seg in (1, 2):
             for block in (0, 16):
-                got = loss_and_grads(model, ex, segment_size=seg, attn_block=block, parts=parts)
+                got = loss_and_grads(model, ex,
+                                     memory=StepMemory(segment_size=seg, attn_block=block),
+                                     parts=parts)
                 assert_equal_step(got, ref, (family, n, seg, block))
-        got = loss_and_grads(model, ex, segment_size=0, grad_checkpoint=True, parts=parts)
+        got = loss_and_grads(model, ex, memory=StepMemory(segment_size=0, grad_checkpoint=True),
+                             parts=parts)
         assert_equal_step(got, ref, (family, n, "grad_checkpoint"))
         val, weight = eval_loss(model, ex, parts=parts)
         assert val == pytest.approx(ref[0].item(), rel=TOL) and weight == n - max(1, prompt_len)
@@ -281,15 +285,17 @@ def test_prefix_shared_orpo_equals_two_branch_plain_autodiff(family):
     model = tiny(family)
     parts = model_parts(model)
     ex = PreferenceExample(tokens(30, 1), tokens(25, 2), tokens(20, 3))
-    ref = loss_and_grads(model, ex, method="orpo", segment_size=0, prefix_shared=False)
+    ref = loss_and_grads(model, ex, method="orpo", memory=StepMemory(segment_size=0),
+                         prefix_shared=False)
     for seg, block in ((0, 0), (1, 0), (1, 16), (2, 0), (2, 16)):
         metrics: dict = {}
-        got = loss_and_grads(model, ex, method="orpo", prefix_shared=True, segment_size=seg,
-                             attn_block=block, parts=parts, metrics=metrics)
+        got = loss_and_grads(model, ex, method="orpo", prefix_shared=True,
+                             memory=StepMemory(segment_size=seg, attn_block=block), parts=parts,
+                             metrics=metrics)
         assert metrics["prefix_shared"] is True
         assert_equal_step(got, ref, (family, seg, block))
-    got = loss_and_grads(model, ex, method="orpo", prefix_shared=True, segment_size=0,
-                         grad_checkpoint=True, parts=parts)
+    got = loss_and_grads(model, ex, method="orpo", prefix_shared=True,
+                         memory=StepMemory(segment_size=0, grad_checkpoint=True), parts=parts)
     assert_equal_step(got, ref, (family, "grad_checkpoint"))
 
 
@@ -308,12 +314,12 @@ def test_the_plain_reference_is_the_models_own_forward_and_nothing_leaks():
     module.scaled_dot_product_attention = own
     try:
         ex = Example(tokens(40, 4), 10)
-        loss_and_grads(model, ex, segment_size=0, parts=parts)
+        loss_and_grads(model, ex, memory=StepMemory(segment_size=0), parts=parts)
         assert seen and all(seen)
         seen.clear()
         for kw in (dict(segment_size=1), dict(segment_size=2, attn_block=16),
                    dict(segment_size=0, grad_checkpoint=True)):
-            loss_and_grads(model, ex, **kw)
+            loss_and_grads(model, ex, **step_kw(**kw))
             eval_loss(model, ex)
             assert module.scaled_dot_product_attention is own, kw
         assert seen and not all(seen)  # the step's window layers went through BlockMasks
