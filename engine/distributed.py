@@ -87,6 +87,15 @@ def join(spec: DistributedSpec, environ=os.environ) -> Ring | None:
     return Ring(group=group, rank=group.rank(), size=group.size(), timeout_s=spec.timeout_s)
 
 
+def same_start(ring: Ring | None, step: int) -> None:
+    """Every rank resumes from the same step (each needs the same checkpoint), or
+    RingError: ranks a step apart would wait on each other's collectives."""
+    if ring is not None and add_up(ring, [step, step * step]) != [ring.size * step,
+                                                                 ring.size * step * step]:
+        raise RingError("distributed: the ranks resume from different steps (each needs the "
+                        "same checkpoint)")
+
+
 def share(rows: list, ring: Ring | None) -> list:
     """This rank's rows of a step (all of them on one node): row k to rank k mod N."""
     return rows if ring is None else rows[ring.rank::ring.size]

@@ -99,10 +99,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     start_step, best = 0, BestSoFar()
     if ckpt is not None:
         start_step, best = load_checkpoint(ckpt, model, optimizer, per_step)
-    if ring is not None and distributed.add_up(ring, [start_step, start_step ** 2]) != [
-            ring.size * start_step, ring.size * start_step ** 2]:
-        raise distributed.RingError("distributed: the ranks resume from different steps "
-                                    "(each needs the same checkpoint)")
+    distributed.same_start(ring, start_step)
 
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "adapter_config.json", adapter_config)
@@ -146,25 +143,11 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         loss = float(m.loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
-        tokens = supervised_tokens(batch)
-        sequences, seq_tokens = m.metrics["sequences"], m.metrics["tokens"]
         # how full the step's sequences are: packed, over pack_length each; side
         # by side, over the padded [rows, longest] batches they ran as
-        full = (seq_tokens / (sequences * pack_length(job)) if pack else
-                seq_tokens / m.metrics["padded"] if side else None)
-        emit(ev.Step(time=clock(), step=step, loss=loss, tokens=tokens, seconds=m.seconds,
-                     tokens_per_s=tokens / m.seconds, lr=float(optimizer.learning_rate.item()),
-                     grad_norm=m.grad_norm.item(), peak_gb=m.peak_gb,
-                     active_gb=mx.get_active_memory() / GB, cache_gb=mx.get_cache_memory() / GB,
-                     margin=m.metrics.get("margin"), accuracy=m.metrics.get("accuracy"),
-                     prefix_shared=m.metrics.get("prefix_shared"),
-                     chosen_reward=m.metrics.get("chosen_reward"),
-                     rejected_reward=m.metrics.get("rejected_reward"),
-                     rows=len(batch), sequences=sequences, seq_tokens=seq_tokens,
-                     pack_efficiency=full, rank=ring.rank if ring else None,
-                     rank_rows=len(mine) if ring else None,
-                     allreduce_s=m.metrics.get("allreduce_s"),
-                     allreduce_bytes=m.metrics.get("allreduce_bytes")))
+        fill = pack_length(job) if pack else "padded" if side else None
+        emit(step_event(clock(), step, m, batch, mine, ring, fill,
+                        lr=float(optimizer.learning_rate.item())))
         if job.telemetry.phases:
             emit(ev.Phase(time=clock(), step=step, phases=m.phases))
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
@@ -193,6 +176,28 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                 best_step=best.step, best_val_loss=best.val_loss if best.step is not None else None,
                 stopped_early=stop is not None, stop_reason=stop))
     return out
+
+
+def step_event(time_: float, step: int, m: "MeasuredStep", batch: list, mine: list,
+               ring: distributed.Ring | None, fill: int | str | None, *, lr: float) -> ev.Step:
+    """A step's telemetry: `batch` its rows, `mine` this rank's share of them (all
+    of them on one node), `fill` how its sequences' fullness is counted (packed:
+    over this many tokens each; "padded": over the padded tokens; None: not)."""
+    tokens = supervised_tokens(batch)
+    sequences, seq_tokens = m.metrics["sequences"], m.metrics["tokens"]
+    full = (seq_tokens / (sequences * fill) if isinstance(fill, int) else
+            seq_tokens / m.metrics["padded"] if fill == "padded" else None)
+    get = m.metrics.get
+    return ev.Step(time=time_, step=step, loss=float(m.loss), tokens=tokens, seconds=m.seconds,
+                   tokens_per_s=tokens / m.seconds, lr=lr, grad_norm=m.grad_norm.item(),
+                   peak_gb=m.peak_gb, active_gb=mx.get_active_memory() / GB,
+                   cache_gb=mx.get_cache_memory() / GB, margin=get("margin"),
+                   accuracy=get("accuracy"), prefix_shared=get("prefix_shared"),
+                   chosen_reward=get("chosen_reward"), rejected_reward=get("rejected_reward"),
+                   rows=len(batch), sequences=sequences, seq_tokens=seq_tokens,
+                   pack_efficiency=full, rank=ring.rank if ring else None,
+                   rank_rows=len(mine) if ring else None, allreduce_s=get("allreduce_s"),
+                   allreduce_bytes=get("allreduce_bytes"))
 
 
 def run_reported(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
