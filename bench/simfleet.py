@@ -303,7 +303,8 @@ class FakeEngine:
                 "active_gb": self.peak * 0.6, "cache_gb": self.peak * 0.1, "margin": None,
                 "accuracy": None, "prefix_shared": None, "chosen_reward": None,
                 "rejected_reward": None, "rows": 1, "sequences": 1, "seq_tokens": 256,
-                "pack_efficiency": None}
+                "pack_efficiency": None, "rank": None, "rank_rows": None, "allreduce_s": None,
+                "allreduce_bytes": None}
 
     def phase(self, step: int) -> dict:
         return {"time": time.time(), "event": "phase", "step": step,

@@ -150,3 +150,36 @@ def test_the_cli_starts_without_the_heavy_libraries(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == [], proc.stdout
+
+
+# Sizes a reader can hold: product code (the packages, not tests/ or bench/), in
+# lines of code (not blank, not comments; docstrings count).
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 600, 400, 120
+
+
+def _code_lines(source: str) -> set[int]:
+    import io
+    import tokenize
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENDMARKER}
+    return {line for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type not in skip for line in range(tok.start[0], tok.end[0] + 1)}
+
+
+def test_no_module_class_or_function_past_its_size():
+    too_long = []
+    for folder in PACKAGES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            source = path.read_text()
+            code = _code_lines(source)
+            name = path.relative_to(ROOT)
+            if len(code) > MAX_MODULE_LINES:
+                too_long.append(f"{name}: {len(code)} lines (module, at most {MAX_MODULE_LINES})")
+            for n in ast.walk(ast.parse(source)):
+                limit = (MAX_CLASS_LINES if isinstance(n, ast.ClassDef) else MAX_FUNCTION_LINES
+                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+                if limit is not None:
+                    lines = len(code & set(range(n.lineno, (n.end_lineno or n.lineno) + 1)))
+                    if lines > limit:
+                        too_long.append(f"{name}:{n.lineno}: {n.name}: {lines} lines (at most {limit})")
+    assert not too_long, "\n".join(too_long)
