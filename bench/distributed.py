@@ -79,7 +79,8 @@ def row(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n ports free on loopback now, for a ring's host file."""
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -92,7 +93,7 @@ def _free_ports(n: int) -> list[int]:
 def _ring(argv_of, n: int, folder: Path, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """argv_of(rank) run as the n ranks of one ring over loopback, all at once."""
     hostfile = folder / f"hosts-{n}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen(argv_of(r), env={**env, "MLX_RANK": str(r)}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 
@@ -15,19 +14,10 @@ import numpy as np
 import pytest
 import yaml
 
+from bench.distributed import free_ports
 from tests.conftest import ROOT, assert_one_line_error, cli_env, segctl
 
 pytestmark = pytest.mark.slow   # ~20 s: three training processes
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _job(demo_dir, tmp_path, name: str, *, nodes: int, output: str | None = None, **train) -> str:
@@ -50,7 +40,7 @@ def _events(stdout: str) -> list[dict]:
 
 def _ranks(jobs: list[str]) -> list[subprocess.CompletedProcess]:
     """`segctl train` of jobs[r] as rank r of one ring over loopback, all at once."""
-    ports = _free_ports(len(jobs))
+    ports = free_ports(len(jobs))
     hostfile = jobs[0] + ".hosts.json"
     with open(hostfile, "w") as f:
         json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
@@ -115,7 +105,7 @@ def test_a_rank_whose_peer_never_comes_ends_instead_of_waiting(demo_dir, tmp_pat
     spec["distributed"]["timeout_s"] = 3
     with open(job, "w") as f:
         yaml.safe_dump(spec, f)
-    ports = _free_ports(2)
+    ports = free_ports(2)
     with open(job + ".hosts.json", "w") as f:
         json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
     alone = segctl("train", job, env={"MLX_RANK": "0",
@@ -133,7 +123,7 @@ def test_a_rank_killed_mid_job_ends_its_peer_as_a_lost_rank(demo_dir, tmp_path):
         spec["distributed"]["timeout_s"] = 3
         with open(job, "w") as f:
             yaml.safe_dump(spec, f)
-    ports = _free_ports(2)
+    ports = free_ports(2)
     with open(jobs[0] + ".hosts.json", "w") as f:
         json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
     procs = [subprocess.Popen([sys.executable, "-m", "segctl.orchestrator.cli", "train", job, "--json"],
@@ -173,3 +163,10 @@ def test_a_job_on_several_nodes_is_refused_where_it_cannot_run(demo_dir, tmp_pat
     with open(job, "w") as f:
         yaml.safe_dump(spec, f)
     assert_one_line_error(segctl("validate", job), "needs lora.dropout 0")
+    # a fleet does not start ranks yet: plan and submit say so, nothing is sent
+    two = _job(demo_dir, tmp_path, "fleet", nodes=2)
+    for command in ("plan", "submit"):
+        assert_one_line_error(segctl(command, two, env={"SEGCTL_HOME": str(tmp_path / "home")}),
+                              "distributed.nodes: 2: the fleet does not start a job on several "
+                              "nodes yet")
+    assert not (tmp_path / "home").exists()

@@ -32,6 +32,17 @@ def check_families(where, models) -> None:
                 _fail(f"{where}: model: {e}")
 
 
+def check_on_one_node(where, jobs) -> None:
+    """Exit 2 when a trial asks for several nodes (`distributed.nodes` > 1): the
+    fleet does not start a job's ranks yet, and a trial placed on one node would
+    fail there. `segctl train` per machine runs it (README)."""
+    n = max((job.distributed.nodes for job in jobs), default=1)
+    if n > 1:
+        _fail(f"{where}: distributed.nodes: {n}: the fleet does not start a job on several nodes "
+              "yet; run one `segctl train` per machine with MLX_RANK and MLX_HOSTFILE "
+              "(README: one job on several machines)")
+
+
 def check_packing(spec: Path, sweep=None, jobs=None) -> None:
     """Exit 2 when a job asks `data.pack: true` of a model whose family the engine
     cannot pack exactly (PACKABLE_FAMILIES; config.json's model_type, or its
