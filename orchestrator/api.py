@@ -11,10 +11,11 @@ from __future__ import annotations
 from segctl.schemas.records import TERMINAL, AttemptStatus, SweepState, TrialState, TuneState
 
 from . import asha, probing
+from .controller_base import ControllerBase
 from .intake import check_payload, keep_inputs
 
 
-class HeadAPI:
+class HeadAPI(ControllerBase):
     """The requests half of the Controller: its attributes are the Controller's."""
 
     # ------------------------------------------------------------ requests
@@ -37,7 +38,7 @@ class HeadAPI:
             if sweep is not None:
                 trials = self.state.trials(target)
             elif self.state.trial(target) is not None:
-                trials = [self.state.trial(target)]
+                trials = [self.state.known_trial(target)]
             else:
                 raise KeyError(f"no sweep or trial named {target!r}")
             done = []
@@ -51,7 +52,7 @@ class HeadAPI:
             if sweep is not None:
                 self.state.set_sweep_state(target, SweepState.CANCELLED, "cancelled by user")
             else:
-                self._maybe_done(self.state.trial(target)["sweep"])
+                self._maybe_done(self.state.known_trial(target)["sweep"])
             return done
 
     def _cancel_attempts(self, tid: str) -> None:
@@ -71,7 +72,7 @@ class HeadAPI:
             if s["state"] == SweepState.INTERRUPTED:
                 self.state.set_sweep_state(sid, SweepState.RUNNING, "resumed by user")
                 self.wake.set()
-            return {"sweep": sid, "state": self.state.sweep(sid)["state"],
+            return {"sweep": sid, "state": self.state.known_sweep(sid)["state"],
                     "unfinished": self.state.unfinished(sid)}
 
     def tune(self, request: dict) -> str:
@@ -127,7 +128,7 @@ class HeadAPI:
             a = self.state.attempt(aid)
             if a is None or a["status"] != AttemptStatus.PLACED:
                 return
-            trial = self.state.trial(a["trial"])
+            trial = self.state.known_trial(a["trial"])
             self.state.update_attempt(aid, status=AttemptStatus.RUNNING.value, started=t, pid=pid,
                                       dispatch_s=t - a["ready"])
             if trial["state"] == TrialState.PLACED:
@@ -138,7 +139,7 @@ class HeadAPI:
         # The stores and state.db lock for themselves: a batch goes in without waiting
         # for `mu`, which the controller holds while it files ended attempts (their
         # adapters and Parquet files). Only a decision (asha) takes it.
-        a = self.state.attempt(aid)
+        a = self.state.known_attempt(aid)
         new = self.stores.ingest(a["sweep"], a["trial"], aid, events)
         steps = [e for e in events if e.get("event") == "step"]
         if steps:
@@ -167,7 +168,7 @@ class HeadAPI:
             value = float(e["val_loss"])
             d = asha.judge(scheduler, tid, e["step"], value,
                            self.state.rung_values(a["sweep"], e["step"]),
-                           finished=self.state.trial(tid)["state"] in TERMINAL)
+                           finished=self.state.known_trial(tid)["state"] in TERMINAL)
             if d is None:
                 continue
             stop = d.reason if isinstance(d, asha.Stop) else None
@@ -178,7 +179,7 @@ class HeadAPI:
                 return
 
     def checkpoint(self, aid: int, step: int, files: dict[str, bytes]) -> None:
-        a = self.state.attempt(aid)   # no `mu`: the stores lock for themselves (see ingest)
+        a = self.state.known_attempt(aid)   # no `mu`: the stores lock for themselves (see ingest)
         self.stores.put_checkpoint(a["sweep"], a["trial"], aid, step, files)
 
     def model_folder(self, path: str) -> str:

@@ -15,6 +15,7 @@ from segctl.schemas.job import JobSpec
 from segctl.schemas.records import NodeInfo, SweepState, TrialState, TuneState
 
 from . import fairshare, placement, planner, probing
+from .controller_base import ControllerBase
 from .memory_settings import plan_for
 from .snapshot import Sweep, Trial
 from .state import sweep_record, trial_of
@@ -22,7 +23,7 @@ from .state import sweep_record, trial_of
 WAITING_WHOLE_UPTO = 2000  # pending trials whose reasons to wait are written every turn
 WAITING_EVERY_S = 1.0  # past that, why every pending trial waits is written this often
 
-class PlacementTurn:
+class PlacementTurn(ControllerBase):
     """The placement half of the Controller: its attributes are the Controller's."""
 
     def takes_work(self, n: NodeInfo) -> bool:
@@ -72,7 +73,7 @@ class PlacementTurn:
                                            self.waiting_noted, now, upto=WAITING_WHOLE_UPTO,
                                            every_s=WAITING_EVERY_S)
         pending = {sid: _PendingIds(self.state, sid, whole) for sid in sweeps}
-        why: dict[str, str] = {}   # trial -> why it waits, for those tried and not placed
+        why: dict[str, str | None] = {}   # trial -> why it waits (None: placed), for those tried
         tried: dict[str, str] = {}   # trial -> its sweep
         eligible: dict = {}   # the nodes a placement may use, found once a turn
         while free and (c := fairshare.next_sweep(turn)) is not None:
@@ -122,7 +123,7 @@ class PlacementTurn:
         knobs = dict(spec.planner)
         margin = knobs.get("margin", DEFAULT_MARGIN)
         d = placement.place_trial(
-            t, self.state.last_attempt_record(t.id), placement=spec.placement,
+            t, self.state.last_attempt_record(t.id), placement=dict(spec.placement),
             margin=margin, nodes=self.nodes, free=free, held=self.held, cache=eligible,
             plan=lambda n, budget_gb: (self._plan(t, n, knobs) if budget_gb is None else
                                        self._plan_now(t, n, knobs, budget_gb=budget_gb)))
@@ -186,7 +187,8 @@ class _PendingIds:
 
     def __init__(self, state, sid: str, whole: bool):
         self.state, self.sid = state, sid
-        self.ids, self.last, self.done = [], -1, False
+        self.ids: list[str] = []
+        self.last, self.done = -1, False
         if whole:
             self.all()
 

@@ -209,6 +209,13 @@ class State:
     def trial(self, tid: str) -> Optional[sqlite3.Row]:
         return self.one(f"SELECT {TRIAL} FROM trials WHERE id = ?", (tid,))
 
+    def known_trial(self, tid: str) -> sqlite3.Row:
+        """Trial `tid`'s row, which must exist (KeyError otherwise)."""
+        row = self.trial(tid)
+        if row is None:
+            raise KeyError(f"no trial named {tid!r}")
+        return row
+
     def trial_record(self, tid: str) -> Trial:
         """Trial `tid` typed, its JSON decoded (ValueError on a row left wrong,
         KeyError when there is none)."""
