@@ -59,10 +59,11 @@ class Ring:
     size: int
     timeout_s: float
 
-    @property
-    def writes(self) -> bool:
-        """Whether this rank writes what the job leaves (rank 0)."""
-        return self.rank == 0
+
+def writes(ring: Ring | None) -> bool:
+    """Whether this process writes what the job leaves: on one node it does; of a
+    ring, rank 0 alone."""
+    return ring is None or ring.rank == 0
 
 
 def join(spec: DistributedSpec, environ=os.environ) -> Ring | None:
@@ -127,7 +128,8 @@ def reduce_step(ring: Ring, loss: mx.array, grads: dict[str, mx.array],
 
 
 def add_up(ring: Ring | None, values: list[float]) -> list[float]:
-    """`values` summed over the ranks (an eval's loss and weight)."""
+    """`values` summed over the ranks (an eval's loss and weight); as they are on
+    one node."""
     if ring is None:
         return values
     with collective(ring, "the eval's all_sum"):
@@ -167,27 +169,20 @@ def _alarm(timeout_s: float):
         signal.signal(signal.SIGALRM, before)
 
 
-class watchdog:
+@contextmanager
+def watchdog(timeout_s: float, what: str):
     """Ends the process (EXIT_RANK_LOST, a line on stderr) when what runs inside has
     not returned in `timeout_s`: a collective whose peer is gone or cut off, which
     waiting longer does not bring back."""
-
-    def __init__(self, timeout_s: float, what: str):
-        self.timeout_s, self.what = timeout_s, what
-        self.timer: threading.Timer | None = None
-
-    def _fire(self) -> None:
-        print(f"distributed: {self.what} made no progress in {self.timeout_s:g} s: a rank is gone "
-              "or cut off", file=sys.stderr, flush=True)
+    def give_up() -> None:
+        print(f"distributed: {what} made no progress in {timeout_s:g} s: a rank is gone or cut "
+              "off", file=sys.stderr, flush=True)
         os._exit(EXIT_RANK_LOST)
 
-    def __enter__(self):
-        self.timer = threading.Timer(self.timeout_s, self._fire)
-        self.timer.daemon = True
-        self.timer.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.timer is not None:
-            self.timer.cancel()
-        return False
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

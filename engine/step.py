@@ -87,9 +87,11 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
     shared. DPO first runs its reference forward (phase "ref"). `memory`: how
     the step spends memory (segment size, head chunk, attention blocks, MLP
     chunks, offload, grad_checkpoint: engine/settings.py). `metrics`, when
-    given, receives the step's preference figures, means over its rows (ORPO: margin, accuracy, log_odds, nll; DPO:
-    margin, accuracy, chosen_reward, rejected_reward), its shape (rows,
-    sequences, tokens: the sequences' tokens) and, with offload, the seconds the
+    given, receives the step's preference figures, means over its rows (ORPO:
+    margin, accuracy, log_odds, nll; DPO: margin, accuracy, chosen_reward,
+    rejected_reward), its shape (rows, sequences, tokens: the sequences'
+    tokens), the batch's weight (what its loss is a mean over: SFT its
+    supervised tokens, ORPO and DPO its rows) and, with offload, the seconds the
     step waited for the disk (offload_write_wait_s, offload_read_wait_s) and spent
     handing boundaries over, waits included (offload_append_s, offload_pop_s).
     """
@@ -126,7 +128,8 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
         metrics.update(step_report(reports))
         metrics.update(rows=len(batch), sequences=sum(s.batch for p in plans for s in p.streams),
                        tokens=sum(s.tokens for p in plans for s in p.streams),
-                       padded=sum(len(s.ids) for p in plans for s in p.streams))
+                       padded=sum(len(s.ids) for p in plans for s in p.streams),
+                       weight=sum(p.weight for p in plans))
         if memory.segment_size and memory.offload:
             metrics.update({f"offload_{key}_s": s for key, s in offload_s.items()})
     return loss, grads

@@ -153,8 +153,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         if valid_set and ((job.train.eval_every and step % job.train.eval_every == 0)
                           or step == total):
             val = evaluate(model, parts, valid_set, job, step, emit, clock, ring)
-            if track_best(best, step, val, early.min_delta if early else 0.0) and (
-                    ring is None or ring.writes):
+            if (track_best(best, step, val, early.min_delta if early else 0.0)
+                    and distributed.writes(ring)):
                 _save_tensors(out / BEST_ADAPTER, model.trainable_parameters())
             if early and best.stale >= early.patience and step < total:
                 # before any checkpoint of this step: a resume reaches the same stop
@@ -162,7 +162,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                         f"{best.stale} eval(s); best {best.val_loss:.6g} at step {best.step}")
                 break
         if (job.train.checkpoint_every and step % job.train.checkpoint_every == 0 and step < total
-                and (ring is None or ring.writes)):
+                and distributed.writes(ring)):
             path = save_checkpoint(out, step, model, optimizer, adapter_config, job.train.seed,
                                    best, rows_per_step=per_step)
             emit(ev.Checkpoint(time=clock(), step=step, path=str(path)))
@@ -326,9 +326,7 @@ def measured_step(model, optimizer, example, *, parts, step: int, budget: float 
     loss, grads = loss_and_grads(model, example, memory=memory, parts=parts, on_phase=on_phase,
                                  metrics=metrics, **(pack or {}), **method)
     if ring is not None:   # this rank's share -> the whole batch's (engine/distributed.py)
-        rows = example if isinstance(example, list) else [example]
-        weight = supervised_tokens(rows) if method["method"] == "sft" else len(rows)
-        loss, grads, cost = distributed.reduce_step(ring, loss, grads, weight)
+        loss, grads, cost = distributed.reduce_step(ring, loss, grads, metrics["weight"])
         metrics.update(cost)
     grad_norm = apply_grads(model, optimizer, grads, grad_clip)
     del grads
@@ -396,11 +394,10 @@ def evaluate(model, parts, valid: Dataset, job: JobSpec, step: int, emit: Emit, 
                             parts=parts, **method)
         total, tokens = total + loss * n, tokens + n
     model.train()
-    if ring is not None:
-        summed, weight = distributed.add_up(ring, [total, tokens])
-        total, tokens = summed, int(weight)
+    total, weight = distributed.add_up(ring, [total, tokens])   # over the ranks, if any
+    tokens = int(weight)
     val = total / tokens
-    if ring is None or ring.writes:
+    if distributed.writes(ring):
         emit(ev.Eval(time=clock(), step=step, val_loss=val, val_tokens=tokens,
                      seconds=time.perf_counter() - tic))
     return val

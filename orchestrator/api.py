@@ -37,8 +37,8 @@ class HeadAPI(ControllerBase):
             sweep = self.state.sweep(target)
             if sweep is not None:
                 trials = self.state.trials(target)
-            elif self.state.trial(target) is not None:
-                trials = [self.state.known_trial(target)]
+            elif (row := self.state.trial(target)) is not None:
+                trials = [row]
             else:
                 raise KeyError(f"no sweep or trial named {target!r}")
             done = []

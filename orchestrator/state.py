@@ -121,10 +121,7 @@ class State:
 
     def known_sweep(self, sid: str) -> sqlite3.Row:
         """Sweep `sid`'s row, which must exist (KeyError otherwise)."""
-        row = self.sweep(sid)
-        if row is None:
-            raise KeyError(f"no sweep named {sid!r}")
-        return row
+        return _must(self.sweep(sid), f"no sweep named {sid!r}")
 
     def close(self) -> None:
         self.con.close()
@@ -211,18 +208,12 @@ class State:
 
     def known_trial(self, tid: str) -> sqlite3.Row:
         """Trial `tid`'s row, which must exist (KeyError otherwise)."""
-        row = self.trial(tid)
-        if row is None:
-            raise KeyError(f"no trial named {tid!r}")
-        return row
+        return _must(self.trial(tid), f"no trial named {tid!r}")
 
     def trial_record(self, tid: str) -> Trial:
         """Trial `tid` typed, its JSON decoded (ValueError on a row left wrong,
         KeyError when there is none)."""
-        row = self.trial(tid)
-        if row is None:
-            raise KeyError(f"no trial named {tid!r}")
-        return trial_of(row)
+        return trial_of(self.known_trial(tid))
 
     def trials(self, sid: str, state: TrialState | None = None) -> list[sqlite3.Row]:
         """A sweep's trials (those in `state` when given) in their sweep's order."""
@@ -297,10 +288,7 @@ class State:
 
     def known_attempt(self, aid: int) -> sqlite3.Row:
         """Attempt `aid`'s row, which must exist (KeyError otherwise)."""
-        row = self.attempt(aid)
-        if row is None:
-            raise KeyError(f"no attempt {aid}")
-        return row
+        return _must(self.attempt(aid), f"no attempt {aid}")
 
     def attempts(self, tid: str) -> list[sqlite3.Row]:
         """A trial's attempts, the first first."""
@@ -526,6 +514,12 @@ class State:
             raise TransitionError(f"tune {tid}: {frm.value} -> {to.value} is not a legal move")
         con.execute("UPDATE tunes SET state = ?, ended = ? WHERE id = ?",
                     (to.value, self.clock() if to in TUNE_TERMINAL else None, tid))
+
+
+def _must(row: Optional[sqlite3.Row], missing: str) -> sqlite3.Row:
+    if row is None:
+        raise KeyError(missing)
+    return row
 
 
 class _Tx:

@@ -101,6 +101,6 @@ def _resolve_auto(job, job_file):
     key = "segment_size" if job.memory.segment_size == "auto" else "offload"
     if not plan.fits:
         _fail(f"{job_file}: memory.{key}: auto: {plan.reason}")
-    disk = "disk" if plan.offload else "none"
-    click.echo(views.resolved_line(job.memory, plan, disk, budget), err=True)
-    return resolved(job, plan)
+    done = resolved(job, plan)
+    click.echo(views.resolved_line(job.memory, plan, done.memory.offload, budget), err=True)
+    return done
