@@ -21,8 +21,9 @@ scope response and lambda 0.1; `--prefix-shared` runs it as one sequence.
 `--impl mlx-lm-lora` times mlx-lm-lora's ORPO trainer step on the same pair
 (bench/orpo_ref.py; the same loss in our notation).
 
-`--arch gemma4_text` and `--arch gemma3_text` build Gemma-4- and Gemma-3-like models
-(gemma4_config and gemma3_config say which shapes).
+`--arch gemma4_text`, `--arch gemma3_text` and `--arch gpt_oss` build Gemma-4-,
+Gemma-3- and gpt-oss-like models (gemma4_config, gemma3_config and gpt_oss_config
+say which shapes).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import segctl  # noqa: F401 (first: it sizes MLX's CUDA attention caches before 
 # isort: split
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from segctl.engine.data import Example, PreferenceExample
 from segctl.engine.demo import FAMILY_CONFIGS
@@ -78,6 +80,8 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
         cfg = gemma4_config(layers, dim, vocab)
     if arch == "gemma3_text":
         cfg = gemma3_config(layers, dim, vocab)
+    if arch == "gpt_oss":
+        cfg = gpt_oss_config(layers, dim, vocab)
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
     if arch == "gemma3_text":  # tied, as its checkpoints load (sanitize drops lm_head)
@@ -105,6 +109,21 @@ def gemma4_config(layers: int, dim: int, vocab: int) -> dict:
                 hidden_size_per_layer_input=256, num_kv_shared_layers=(20 * layers) // 35,
                 sliding_window=512, sliding_window_pattern=5, final_logit_softcapping=30.0,
                 max_position_embeddings=131072, tie_word_embeddings=True)
+
+
+def gpt_oss_config(layers: int, dim: int, vocab: int) -> dict:
+    """gpt-oss-20b-like at (layers=24, dim=2880, vocab=201088), as its config.json:
+    64 query heads of 64 over 8 K/V heads with an attention sink each, sliding
+    (window 128) and full layers alternating, 32 experts of dim each (4 a token),
+    YaRN RoPE (factor 32 over 4,096 positions), untied."""
+    return dict(model_type="gpt_oss", hidden_size=dim, num_hidden_layers=layers,
+                intermediate_size=dim, num_local_experts=32, num_experts_per_tok=4,
+                head_dim=64, num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5,
+                vocab_size=vocab, sliding_window=128, rope_theta=150000, swiglu_limit=7.0,
+                rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                  original_max_position_embeddings=4096),
+                layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                tie_word_embeddings=False)
 
 
 def gemma3_config(layers: int, dim: int, vocab: int) -> dict:
@@ -193,6 +212,8 @@ def run(args) -> dict:
         "head_dim": getattr(margs, "head_dim", None),
         "tie": getattr(margs, "tie_word_embeddings", None),
         "quantize": args.quantize,
+        # what the planner's ModelInfo.weight_bytes is (the LoRA layers' few bytes too)
+        "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
         "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
         "segment_size": args.segment_size if args.mode == "segmented" else None,
         "head_chunk": args.head_chunk if args.impl == "segctl" else None,
@@ -209,6 +230,7 @@ def run(args) -> dict:
         "device": str(mx.default_device()),
         "device_name": _device_name(),
     }
+    row["predicted_gb"] = planned_gb(row, args) if args.impl == "segctl" else None
     if args.phases:
         row["phases"] = [[label, round(p, 4)] for label, p in phases]
         # where the last step's time went: forward, head, backward, the rest (update)
@@ -220,6 +242,26 @@ def run(args) -> dict:
                               "bwd": round(clock[-1] - clock[h], 3),
                               "update": round(starts + times[-1] - clock[-1], 3)}
     return row
+
+
+def planned_gb(row: dict, args) -> float | None:
+    """What the planner (orchestrator/planner.py) predicts for this row's step, from
+    the row's shape and the bytes its weights took: a row checks the planner where
+    it is measured. None where the planner has no figure for it."""
+    from segctl.orchestrator.planner import ModelInfo, predict_gb
+    try:
+        info = ModelInfo(model_type=row["arch"], n_layers=row["layers"], hidden=row["dim"],
+                         intermediate=row["intermediate"], heads=row["heads"],
+                         kv_heads=row["kv_heads"], head_dim=row["head_dim"], vocab=row["vocab"],
+                         weight_bytes=row["weight_bytes"],
+                         act_bytes=4 if row["dtype"] == "float32" else 2)
+        got = predict_gb(info, seq_len=row["seq"], segment_size=row["segment_size"] or 0,
+                         head_chunk=args.head_chunk, attn_block=args.attn_block or 0,
+                         mlp_chunk=args.mlp_chunk or 0, offload=bool(args.offload),
+                         grad_checkpoint=args.mode == "checkpoint", method=args.method)
+    except (ValueError, TypeError, KeyError):
+        return None
+    return round(got, 4)
 
 
 def _device_name() -> str | None:

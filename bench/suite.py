@@ -102,6 +102,9 @@ GEMMA4_COMPARE = [
 # dense [L, L] masks.
 GEMMA4_WIN_CPU = dict(arch="gemma4_text", layers=10, dim=256, vocab=32000, dtype="float32",
                       steps=2)
+# gpt-oss-20b-like (bench.engine.gpt_oss_config), base weights (experts included) in 4 bits.
+GPT_OSS_20B = dict(arch="gpt_oss", layers=24, dim=2880, vocab=201088, quantize=4,
+                   dtype="bfloat16", steps=1)
 GEMMA3_4B = dict(arch="gemma3_text", layers=34, dim=2560, vocab=262144, dtype="bfloat16",
                  steps=3)
 WINDOWS = [dict(impl="mlx-lm", mode="checkpoint"),
@@ -158,6 +161,18 @@ PLANS = {
         [dict(LLAMA_8B, seq=8192, **c) for c in (MLX_CKPT, _seg(4096))] +
         [dict(LLAMA_8B, seq=32768, **c) for c in (_seg(4096), _seg(4096, offload=True))] +
         [dict(QWEN3_06B, seq=32768, **c) for c in (MLX_CKPT, _seg(4096))]),
+    # Long rows of the families whose attention is not plain (sinks, K/V donors),
+    # tile by tile: most wanted first. gpt-oss at 64K with 1024-row blocks peaked
+    # at 28.7 GB (results/h100-long-families.jsonl): its 64 heads' tiles are the
+    # peak, so its rows take 512-row blocks.
+    "gpu-long-families": [dict(GPT_OSS_20B, seq=65536, **dict(_seg(4096, offload=True),
+                                                               attn_block=512)),
+                          dict(GEMMA4_E2B, seq=131072, **_seg(4096, offload=True), steps=1),
+                          dict(GPT_OSS_20B, seq=32768, **dict(_seg(4096, offload=True),
+                                                              attn_block=512)),
+                          dict(GEMMA4_E2B, seq=32768, **_seg(4096), steps=1),
+                          dict(GEMMA4_E2B, seq=65536, **_seg(4096, offload=True), steps=1),
+                          dict(GEMMA4_E2B, seq=32768, **MLX_CKPT, steps=1)],
     "cpu-orpo": [dict(CPU, seq=1024, **c) for c in ORPO_COMPARE + ORPO_PLAIN],
     "cpu-gemma4": [dict(GEMMA4_CPU, seq=1024, **c) for c in GEMMA4_COMPARE],
     # (mlx-lm-lora plain and segment size 2 two-branch are in h200-orpo-v0-densemask.jsonl)

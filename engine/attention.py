@@ -155,36 +155,116 @@ def default_rows(window: int) -> int:
     return window
 
 
-def attend(q, k, v, scale, mask, sinks=None):
-    """Attention of q over k, v under `mask`, a BlockMask included."""
+def attend(q, k, v, scale, mask, sinks=None, softcap=None):
+    """Attention of q over k, v under `mask`, a BlockMask included; `softcap`: the
+    scores soft-capped (capped_attention)."""
     if not isinstance(mask, BlockMask):
-        return _sdpa(q, k, v, scale, mask, sinks)
+        return _sdpa(q, k, v, scale, mask, sinks, softcap)
     outs = []
     for i, j, ranges, m in mask.parts(0, q.shape[2]):
-        outs.append(_sdpa(q[:, :, i:j], _gather(k, ranges), _gather(v, ranges), scale, m, sinks))
+        outs.append(_sdpa(q[:, :, i:j], _gather(k, ranges), _gather(v, ranges), scale, m, sinks,
+                          softcap))
         if _EAGER[0]:
             mx.eval(outs[-1])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
-def _sdpa(q, k, v, scale, mask, sinks):
+def _sdpa(q, k, v, scale, mask, sinks, softcap=None):
+    if softcap:
+        if sinks is not None:
+            raise ValueError("soft-capped scores with attention sinks: no family has both")
+        return capped_attention(q, k, v, scale, mask, softcap)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
+def capped_attention(q, k, v, scale, mask, softcap):
+    """softmax(softcap * tanh(((q scale) k^T) / softcap), masked) v, as Gemma 2 and
+    Gear write it by hand (scores in the inputs' dtype, a masked score the dtype's
+    least value, the softmax precise); MLX's fused attention has no soft cap.
+    The query heads sharing a K/V head go as one matrix (GQA). mask: None,
+    "causal" (lower-right aligned) or a boolean array over [rows, keys]."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    qs = (q * scale).reshape(B, Hk, H // Hk, L, D)
+    scores = qs @ mx.expand_dims(k, 2).swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None, :]
+    if mask is not None:
+        if mask.ndim == 4:   # [B or 1, H or 1, L, S] as the model made it
+            mask = mx.expand_dims(mask, 2) if mask.shape[1] == 1 else \
+                mask.reshape(mask.shape[0], Hk, H // Hk, L, S)
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ mx.expand_dims(v, 2)).reshape(B, H, L, D)
+
+
 def block_mask_sdpa(original):
-    """An mlx-lm `scaled_dot_product_attention` that also takes a BlockMask."""
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    """An mlx-lm `scaled_dot_product_attention` that also takes a BlockMask, and
+    whose calls with sinks differentiate where MLX's do not (`own_sinks_vjp`)."""
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None, softcap=None):
+        if sinks is not None and cache is None and own_sinks_vjp():
+            return _sinks_attention(queries, keys, values, scale, mask, sinks, softcap)
         if isinstance(mask, BlockMask):
             _check(cache)
-            return attend(queries, keys, values, scale, mask, sinks)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            return attend(queries, keys, values, scale, mask, sinks, softcap)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks,
+                        **capped(softcap))
     return sdpa
+
+
+def own_sinks_vjp() -> bool:
+    """Whether attention with sinks takes its backward from `blocked_grads` (tile by
+    tile) instead of MLX's: wherever MLX runs its fused attention kernel, whose vjp
+    (MLX 0.32) takes no sinks ("Does not support VJP with respect to mask or
+    attention sinks", measured on CUDA): any device but the CPU, where MLX's
+    attention is plain operations that autodiff serves. Tests substitute it."""
+    return mx.default_device() != mx.cpu
+
+
+def _sinks_attention(q, k, v, scale, mask, sinks, softcap):
+    """attend(...) with sinks, its vjp the tiled backward of all rows as one block."""
+    @mx.custom_function
+    def call(q, k, v, sinks):
+        return attend(q, k, v, scale, mask, sinks, softcap)
+
+    @call.vjp
+    def call_vjp(primals, cotangent, output):
+        q, k, v, sinks = primals
+        d = cotangent[0] if isinstance(cotangent, (list, tuple)) else cotangent
+        out = output[0] if isinstance(output, (list, tuple)) else output
+        delta = (d.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
+        return blocked_grads(q, k, v, d, mask, scale, q.shape[2], sinks, delta=delta,
+                             softcap=softcap)
+
+    return call(q, k, v, sinks)
+
+
+def plain_call(queries, keys, values, cache, scale, mask, sinks=None, softcap=None):
+    """An attention call as mlx-lm makes one, its scores soft-capped when `softcap`
+    is given (engine/capped.py): what a hand-written soft-capped attention is."""
+    _check(cache)
+    return _sdpa(queries, keys, values, scale, mask, sinks, softcap)
+
+
+# Attention written by hand in an mlx-lm module as a function of its own, each
+# made the one call it is (engine/capped.py): its name -> (a call -> the function).
+HAND_WRITTEN = {
+    "_softcap_attention": lambda call: lambda queries, keys, values, scale, softcap, mask: call(
+        queries, keys, values, None, scale, mask, softcap=softcap),
+}
+
+
+def capped(softcap) -> dict:
+    """The keyword a soft-capped attention call passes on (engine/capped.py's
+    attention takes it; mlx-lm's own does not)."""
+    return {} if softcap is None else {"softcap": softcap}
 
 
 def takes_block_masks(layer) -> bool:
     """Whether `layer`'s attention calls an mlx-lm module's `scaled_dot_product_attention`
     (so that inside swapped_sdpa it takes a BlockMask); attention written by hand
-    (Gemma-2's soft-capped scores) needs array masks."""
+    (unless engine/capped.py made it one call) needs array masks."""
     named = layer.named_modules()
     attention = [m for name, m in named if name.rsplit(".", 1)[-1].endswith(("attn", "attention"))]
     return bool(_sdpa_modules(attention or [m for _, m in named]))
@@ -204,16 +284,19 @@ def _gather(x, ranges):
 
 @contextmanager
 def swapped_sdpa(layers, make):
-    """Within the block, the model modules of `layers` call make(their sdpa)."""
+    """Within the block, the model modules of `layers` call make(their sdpa), and
+    their hand-written attention functions (HAND_WRITTEN) make(plain_call) too."""
     modules = _sdpa_modules(m for layer in layers for _, m in layer.named_modules())
-    saved = {m: m.scaled_dot_product_attention for m in modules}
+    saved = [(m, name, getattr(m, name)) for m in modules
+             for name in ("scaled_dot_product_attention", *HAND_WRITTEN) if hasattr(m, name)]
     try:
-        for m in modules:
-            m.scaled_dot_product_attention = make(saved[m])
+        for m, name, original in saved:
+            setattr(m, name, make(original) if name == "scaled_dot_product_attention"
+                    else HAND_WRITTEN[name](make(plain_call)))
         yield
     finally:
-        for m, original in saved.items():
-            m.scaled_dot_product_attention = original
+        for m, name, original in saved:
+            setattr(m, name, original)
 
 
 def _check(cache):
@@ -247,20 +330,22 @@ def eager_blocks():
         _EAGER[0] = saved
 
 
-def tiles_keys(L: int) -> bool:
+def tiles_keys(L: int, sinks=None) -> bool:
     """Whether a row of L tokens takes its attention backward tile by tile over
-    the keys (`tiled_vjp`), so its layer must hand `blocked_grads` the delta."""
-    return L > ATTN_TILED_ABOVE
+    the keys (`tiled_vjp`), so its layer must hand `blocked_grads` the delta: past
+    ATTN_TILED_ABOVE tokens, and at any length with attention sinks (MLX's own
+    attention backward takes no sinks on CUDA)."""
+    return L > ATTN_TILED_ABOVE or sinks is not None
 
 
-def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None):
-    """(dq, dk, dv[, d sinks]) of attention(q, k, v) under `mask` with cotangent
-    d_out, `block` query rows at a time. On rows longer than ATTN_TILED_ABOVE,
-    `delta` (rowsum(d_out * out) in fp32, [B, H, L], out being the attention's
-    output) lets a block over more than ATTN_KEY_TILE keys run tile by tile
-    (`tiled_vjp`): memory for one tile of scores, but on the H200 a 128K row's
-    layer took 13 s there against 3.9 s through MLX's backward, which is why
-    shorter rows keep MLX's."""
+def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None, softcap=None):
+    """(dq, dk, dv[, d sinks]) of attention(q, k, v) under `mask` (scores soft-capped
+    at `softcap`, if given) with cotangent d_out, `block` query rows at a time. On
+    rows longer than ATTN_TILED_ABOVE, `delta` (rowsum(d_out * out) in fp32,
+    [B, H, L], out being the attention's output) lets a block over more than
+    ATTN_KEY_TILE keys run tile by tile (`tiled_vjp`): memory for one tile of
+    scores, but on the H200 a 128K row's layer took 13 s there against 3.9 s
+    through MLX's backward, which is why shorter rows keep MLX's."""
     L, S = q.shape[2], k.shape[2]
     # Each block's dq goes into its rows in place (the accumulator is evaluated and
     # held once): joining the blocks at the end would hold dq twice.
@@ -277,12 +362,15 @@ def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None):
         j = min(i + block, L)
         for a, b, ranges, m in _block_parts(mask, i, j, L, S):
             keys = sum(hi - lo for lo, hi in ranges)
-            if delta is not None and not extra and tiles_keys(L) and keys > ATTN_KEY_TILE:
+            # Sinks always go tile by tile: MLX (0.32) has no attention vjp with
+            # respect to sinks on CUDA, so its backward per block fails there.
+            if delta is not None and (extra or tiles_keys(L) and keys > ATTN_KEY_TILE):
                 dqb = tiled_vjp(q[:, :, a:b], _gather(k, ranges), _gather(v, ranges),
-                                d_out[:, :, a:b], delta[:, :, a:b], scale, m, sums, ranges)
+                                d_out[:, :, a:b], delta[:, :, a:b], scale, m, sums, ranges,
+                                *extra, d_sinks=d_sinks, softcap=softcap)
             else:
                 _, (dqb, dkb, dvb, *dsb) = mx.vjp(
-                    lambda x, y, z, *s: [_sdpa(x, y, z, scale, m, s[0] if s else None)],
+                    lambda x, y, z, *s: [_sdpa(x, y, z, scale, m, s[0] if s else None, softcap)],
                     [q[:, :, a:b], _gather(k, ranges), _gather(v, ranges), *extra],
                     [d_out[:, :, a:b]])
                 sums[0] = _add_ranges(sums[0], dkb, ranges)
@@ -300,7 +388,8 @@ def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None):
             *[g.astype(s.dtype) for g, s in zip(d_sinks, extra)])
 
 
-def tiled_vjp(q, k, v, d_out, delta, scale, mask, sums, ranges):
+def tiled_vjp(q, k, v, d_out, delta, scale, mask, sums, ranges, sinks=None, d_sinks=(),
+              softcap=None):
     """dq of softmax(q k^T scale + mask) v for one block of query rows, its dk and
     dv added into sums = [dK, dV] (fp32, over the row's keys, of which k and v are
     `ranges`),
@@ -313,6 +402,13 @@ def tiled_vjp(q, k, v, d_out, delta, scale, mask, sums, ranges):
     (lower-right aligned) or a boolean array over [rows, keys]. Only k's heads are
     looked up: the query heads sharing a K/V head go as one matrix (GQA).
 
+    Every score transform of the families served goes with it:
+    - `sinks` ([heads], gpt-oss): a logit per head in every row's softmax
+      denominator, with no value. A row's log-sum-exp starts from it; its
+      gradient, -sum over rows of P(sink) delta, is added into d_sinks[0].
+    - `softcap` (Gemma 2): scores c tanh(s / c), so dS is scaled by
+      1 - tanh(s / c)^2 on its way back to q and k.
+
     Each tile is one compiled function: eager, its element-wise steps read and
     wrote the fp32 tile of scores about ten times; fused, they need not. The tile's
     dK, dV go straight into `sums` (in place: nothing else holds them), not into a
@@ -322,7 +418,7 @@ def tiled_vjp(q, k, v, d_out, delta, scale, mask, sums, ranges):
     G = H // Hk
     f32 = mx.float32
     qs = (q * scale).reshape(B, Hk, G * R, d)
-    do = d_out.reshape(B, Hk, G * R, d)
+    do = d_out.reshape(B, Hk, G * R, d_out.shape[-1])   # v's head size may differ from q's (MLA)
     dl = delta.reshape(B, Hk, G * R, 1).astype(f32)
     # row r sees key c iff c <= r + K - R ("causal" is lower-right aligned)
     last = mx.tile(mx.arange(R) + (K - R), (G,)) if isinstance(mask, str) else None
@@ -337,20 +433,27 @@ def tiled_vjp(q, k, v, d_out, delta, scale, mask, sums, ranges):
         return "array", (seen.reshape(B, Hk, G * R, c1 - c0),)
 
     tiles = [(c, min(c + ATTN_KEY_TILE, K)) for c in range(0, K, ATTN_KEY_TILE)]
-    # Pass 1: each row's log-sum-exp over its keys, a running max and sum.
-    top = mx.full((B, Hk, G * R, 1), -mx.inf, dtype=f32)
-    total = mx.zeros(top.shape, dtype=f32)
+    fns = _tile_fns(softcap)
+    # Pass 1: each row's log-sum-exp over its keys (and its sink), a running max and sum.
+    if sinks is None:
+        top = mx.full((B, Hk, G * R, 1), -mx.inf, dtype=f32)
+        total = mx.zeros(top.shape, dtype=f32)
+    else:   # head h = (K/V head, group member): rows go (group member, row) within a K/V head
+        sink = mx.repeat(sinks.astype(f32).reshape(1, Hk, G, 1), R, axis=2)
+        top, total = mx.broadcast_to(sink, (B, Hk, G * R, 1)), mx.ones((B, Hk, G * R, 1), f32)
     for c0, c1 in tiles:
         mode, m = masking(c0, c1)
-        top, total = _tile_fns(mode)[0](qs, k[:, :, c0:c1], top, total, *m)
+        top, total = fns[mode][0](qs, k[:, :, c0:c1], top, total, *m)
         mx.eval(top, total)
     # A row that sees no key: total 0, so its P is all 0 with any finite lse.
     lse = mx.where(total > 0, top + mx.log(total), 0)
+    if sinks is not None:   # the sink's dS is P(sink) (0 - delta): it has no value
+        d_sinks[0] += -(mx.exp(sink - lse) * dl).reshape(B, Hk, G, R).sum(axis=(0, 3)).reshape(H)
     # Pass 2: each tile's P, then dV, dP, dS and their share of dQ, dK.
     dq = mx.zeros(qs.shape, f32)
     for c0, c1 in tiles:
         mode, m = masking(c0, c1)
-        dqt, dkt, dvt = _tile_fns(mode)[1](qs, k[:, :, c0:c1], v[:, :, c0:c1], do, dl, lse, *m)
+        dqt, dkt, dvt = fns[mode][1](qs, k[:, :, c0:c1], v[:, :, c0:c1], do, dl, lse, *m)
         dq = dq + dqt
         at = _sub_ranges(ranges, c0, c1)
         sums[0] = _add_ranges(sums[0], dkt, at)
@@ -372,17 +475,31 @@ def _sub_ranges(ranges, c0, c1):
 
 
 @lru_cache(maxsize=None)
-def _tile_fns(mode: str):
-    """(log-sum-exp step, gradients) of one tile, compiled once per mask mode
+def _tile_fns(softcap: float | None) -> dict:
+    """{mask mode: (log-sum-exp step, gradients)} of one tile, each compiled once
     (and by MLX per shape: a block's tiles share one, but for its last)."""
+    return {mode: _tile_pair(mode, softcap) for mode in ("causal", "array", "none")}
+
+
+def _tile_pair(mode: str, softcap: float | None):
     f32 = mx.float32
 
-    def scores(qs, kt, m):
+    def capped(qs, kt):
+        """(scores, d capped / d raw): raw scores, or soft-capped ones."""
         s = (qs @ kt.swapaxes(-1, -2)).astype(f32)
+        if not softcap:
+            return s, None
+        t = mx.tanh(s / softcap)
+        return t * softcap, 1 - t * t
+
+    def masked(s, m):
         if mode == "causal":
             cols, last = m
             return mx.where(cols[None, :] <= last[:, None], s, -mx.inf)
         return mx.where(m[0], s, -mx.inf) if mode == "array" else s
+
+    def scores(qs, kt, m):
+        return masked(capped(qs, kt)[0], m)
 
     def lse_step(qs, kt, top, total, *m):
         s = scores(qs, kt, m)
@@ -391,9 +508,11 @@ def _tile_fns(mode: str):
         return new, total * mx.exp(top - base) + mx.exp(s - base).sum(axis=-1, keepdims=True)
 
     def grads(qs, kt, vt, do, dl, lse, *m):
-        p = mx.exp(scores(qs, kt, m) - lse)
+        s, slope = capped(qs, kt)
+        p = mx.exp(masked(s, m) - lse)
         dv = (p.astype(vt.dtype).swapaxes(-1, -2) @ do).astype(f32)
-        ds = (p * ((do @ vt.swapaxes(-1, -2)).astype(f32) - dl)).astype(qs.dtype)
+        ds = p * ((do @ vt.swapaxes(-1, -2)).astype(f32) - dl)
+        ds = (ds if slope is None else ds * slope).astype(qs.dtype)
         return ds @ kt, (ds.swapaxes(-1, -2) @ qs).astype(f32), dv
 
     return mx.compile(lse_step), mx.compile(grads)

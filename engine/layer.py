@@ -229,17 +229,25 @@ def _heavy(layer, names, block, chunk, run: _Pass):
     """Within the block, `layer`'s blockable attention calls and its token-wise
     children (on rows longer than the piece) are `run`'s stand-ins."""
     def attn(original):
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None, softcap=None):
             if not block or queries.shape[2] <= block or not attention.blockable(cache, mask):
                 return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                                sinks=sinks)
+                                sinks=sinks, **attention.capped(softcap))
             extra = [] if sinks is None else [sinks]
 
             def compute(q, k, v, *s):
-                return attention.attend(q, k, v, scale, mask, *s)
-            return _stand_in(run, [queries, keys, values, *extra], compute,
-                             lambda ins: lambda d: attention.blocked_grads(
-                                 *ins[:3], d, mask, scale, block, *ins[3:]))
+                return attention.attend(q, k, v, scale, mask, *s, softcap=softcap)
+
+            def grads_of(ins, out):
+                def grads(d):
+                    # rowsum(dO O), for a row long enough to go tile by tile over its
+                    # keys (its donor's K/V, its sinks and its soft cap included)
+                    delta = (d.astype(mx.float32) * out.astype(mx.float32)).sum(-1) \
+                        if attention.tiles_keys(d.shape[2], *ins[3:]) else None
+                    return attention.blocked_grads(*ins[:3], d, mask, scale, block, *ins[3:],
+                                                   delta=delta, softcap=softcap)
+                return grads
+            return _stand_in(run, [queries, keys, values, *extra], compute, grads_of)
         return sdpa
 
     def tokenwise(child):
@@ -252,8 +260,8 @@ def _heavy(layer, names, block, chunk, run: _Pass):
             def compute(x, *p):
                 return _chunked(child, chunk)(x)
             return _stand_in(run, [x, *params], compute,
-                             lambda ins: lambda d: _chunked_vjp(child, pnames, ins[0], ins[1:],
-                                                                d, chunk))
+                             lambda ins, out: lambda d: _chunked_vjp(child, pnames, ins[0],
+                                                                     ins[1:], d, chunk))
         return call
 
     cut = [(layer, names)] if chunk and names else []
@@ -268,7 +276,7 @@ def _stand_in(run: _Pass, inputs: list, compute, grads_for):
     if mode == "store":
         out = compute(*inputs)
         mx.eval(inputs, out)
-        run.ops.append(_Op(list(inputs), out, grads_for(list(inputs))))
+        run.ops.append(_Op(list(inputs), out, grads_for(list(inputs), out)))
         return out
     op = run.ops[k]
 

@@ -35,6 +35,8 @@ from mlx_lm.models.base import create_attention_mask
 from segctl.schemas.errors import UserError
 from segctl.schemas.limits import read_model_config
 
+from . import capped
+
 
 class ModelError(UserError):
     """The model folder or its architecture cannot be used; message names the folder."""
@@ -168,6 +170,8 @@ def model_parts(model: nn.Module, *, name: str = "model", check: bool = True,
     if text is not model:
         parts.prefix = "language_model.model.layers"
     if run_layers:  # not on a model built from config.json alone (check_family)
+        h0 = parts.embed(mx.array([[1]]))
+        capped.adopt(parts.layers, h0.shape[-1], h0.dtype)
         parts.block_masks = _block_mask_layers(parts, inner.embed_tokens.weight.shape[0])
         parts.tokenwise = _tokenwise_layers(parts, inner.embed_tokens.weight.shape[0])
         parts.rowwise = _rowwise_layers(parts)

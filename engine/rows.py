@@ -23,9 +23,10 @@ v, o, their gradients and the layer's input and output gradient is ever whole.
 That a layer may be cut so is not assumed from its class: `rowwise` runs one
 on a few rows whole and cut, forward and backward, and only a layer that gives
 the same is cut (once per layer class, at load). A layer whose attention is
-not one sdpa call of mlx-lm's (hand-written scores, attention sinks, K/V from
-another layer, per-layer inputs) or whose LoRA dropout is on keeps
-engine/layer.py's way.
+not one sdpa call of mlx-lm's (hand-written scores other than engine/capped.py's
+soft cap, K/V from another layer, per-layer inputs) or whose LoRA dropout is on
+keeps engine/layer.py's way. Attention sinks and a soft cap go with the call to
+every block.
 """
 
 from __future__ import annotations
@@ -82,14 +83,17 @@ class _Attn:
         self.taken = None    # (q, k, v) of the chunk
         self.scale = None
         self.mask = None
+        self.sinks = None    # per head, the same for every chunk (gpt-oss)
+        self.softcap = None  # soft-capped scores (engine/capped.py)
         self.calls = 0
 
     def make(self, original):
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None, softcap=None):
             self.calls += 1
-            if cache is not None or sinks is not None or self.calls > 1:
-                raise _NotRowwise("attention with a cache, sinks or more than one call")
+            if cache is not None or self.calls > 1:
+                raise _NotRowwise("attention with a cache or more than one call")
             self.taken, self.scale, self.mask = (queries, keys, values), scale, mask
+            self.sinks, self.softcap = sinks, softcap
             return queries if self.out is None else self.out
         return sdpa
 
@@ -117,8 +121,8 @@ def _spans(n: int, chunk: int):
 
 
 def _qkv(layer, call, h, mask, chunk):
-    """(q, k, v, scale, mask the layer gives its attention) over the whole row, P
-    run a chunk at a time outside any transform."""
+    """(q, k, v, the _Attn that took the last chunk: its scale, mask, sinks and soft
+    cap) over the whole row, P run a chunk at a time outside any transform."""
     parts = []   # a row has at least one chunk: `attn` is the last one's
     for a, b in _spans(h.shape[1], chunk):
         with _chunk(layer, a, _Attn()) as attn:
@@ -129,23 +133,23 @@ def _qkv(layer, call, h, mask, chunk):
         mx.eval(attn.taken)
         parts.append(attn.taken)
     q, k, v = (mx.concatenate([p[j] for p in parts], axis=2) for j in range(3))
-    return q, k, v, attn.scale, mask
+    return q, k, v, attn
 
 
 def _attended(layer, call, h, mask, chunk):
-    """(q, k, v, scale, mask, o): P chunk by chunk, then attention in its blocks,
-    each evaluated as it is made."""
-    q, k, v, scale, amask = _qkv(layer, call, h, mask, chunk)
+    """(q, k, v, the call's _Attn, o): P chunk by chunk, then attention in its
+    blocks, each evaluated as it is made."""
+    q, k, v, how = _qkv(layer, call, h, mask, chunk)
     with attention.eager_blocks():
-        o = attention.attend(q, k, v, scale, amask)
+        o = attention.attend(q, k, v, how.scale, mask, how.sinks, how.softcap)
     mx.eval(o)
-    return q, k, v, scale, amask, o
+    return q, k, v, how, o
 
 
 def forward(layer, call, h, mask, chunk: int) -> mx.array:
     """call(h, mask) (the layer's output) with every row-wise op `chunk` rows at a
     time and attention as its mask blocks it; outside any transform."""
-    q, k, v, _, _, o = _attended(layer, call, h, mask, chunk)
+    q, k, v, _, o = _attended(layer, call, h, mask, chunk)
     del q, k, v
     outs = []
     for a, b in _spans(h.shape[1], chunk):
@@ -161,7 +165,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
     `values` are the layer's trainable parameters `names`; in chunks and blocks
     as `forward`. The layer's parameters are `values` again on return."""
     n = h.shape[1]
-    q, k, v, scale, amask, o = _attended(layer, call, h, mask, chunk)
+    q, k, v, how, o = _attended(layer, call, h, mask, chunk)
 
     acc = None
 
@@ -170,7 +174,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
         acc = list(dp) if acc is None else [s + g for s, g in zip(acc, dp)]
 
     dhs, dos, deltas = [], [], []
-    tiled = attention.tiles_keys(n)
+    tiled = attention.tiles_keys(n, how.sinks)
     try:
         # Q: each chunk's output from its rows of h and of o.
         for a, b in _spans(n, chunk):
@@ -190,8 +194,15 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
         do = mx.concatenate(dos, axis=2)
         delta = mx.concatenate(deltas, axis=2) if tiled else None
         del dos, deltas
-        dq, dk, dv = attention.blocked_grads(q, k, v, do, amask, scale, block or n, delta=delta)
+        dq, dk, dv, *d_sinks = attention.blocked_grads(q, k, v, do, mask, how.scale, block or n,
+                                                       sinks=how.sinks, delta=delta,
+                                                       softcap=how.softcap)
         del q, k, v, do, delta
+        # Sinks the layer trains (a parameter of its own) take their gradient here:
+        # P hands the attention its sinks as they are, so its vjp gives them none.
+        trained = [j for j, value in enumerate(values) if d_sinks and value is how.sinks]
+        if trained and acc is not None:
+            acc[trained[0]] = acc[trained[0]] + d_sinks[0]
         # P: each chunk's q, k, v from its rows of h.
         for j, (a, b) in enumerate(_spans(n, chunk)):
             def p_part(x, *p):

@@ -30,7 +30,7 @@ and handed to the producer as extra cotangents next to dh.
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -401,7 +401,9 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
     # forward runs as it is.
     shared = next((s for s in plan.streams if s.runs), plan.streams[0])
     own = all(_own_forward(s, grad_checkpoint) for s in plan.streams)
-    with nullcontext() if own else _positions(parts, shared):
+    # The model's own forward keeps its own attention, but for calls with sinks
+    # where MLX's backward takes none (attention.own_sinks_vjp).
+    with swapped_sdpa(parts.layers, block_mask_sdpa) if own else _positions(parts, shared):
         (loss, sums), grads = nn.value_and_grad(model, loss_fn)(model)
         grads = dict(tree_flatten(grads))
         mx.eval(loss, sums, grads)

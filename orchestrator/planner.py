@@ -42,7 +42,7 @@ from segctl.schemas.defaults import (
     DEFAULT_MARGIN,
     DEFAULT_MLP_CHUNK,
 )
-from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
+from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES, TILED_FAMILIES
 from segctl.schemas.job import JobSpec
 from segctl.schemas.limits import check_model_config, read_model_config
 from segctl.schemas.records import Plan
@@ -559,8 +559,9 @@ def block_backward(info: ModelInfo, L: int, attn_block: int) -> float:
     the causal mask, the block's K and V spread over the query heads with their
     gradients, and its q, dO and dq. The last block, over every key, is the
     largest. Past ATTN_TILED_ABOVE tokens the keys go a tile at a time, with the
-    tile's dK, dV in fp32 beside the row's sums."""
-    tiled = L > ATTN_TILED_ABOVE
+    tile's dK, dV in fp32 beside the row's sums, in a family whose every layer
+    does (TILED_FAMILIES); any other holds the block's scores over every key."""
+    tiled = L > ATTN_TILED_ABOVE and info.model_type in TILED_FAMILIES
     keys = ATTN_KEY_TILE if tiled else L
     b, h, hd = info.act_bytes, info.heads, info.head_dim
     return (BLOCK_SCORES * h * attn_block * keys * b + BLOCK_MASK * attn_block * keys * (1 + b)

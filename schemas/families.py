@@ -10,12 +10,12 @@ every mlx-lm family checks this list against the engine's own verdict.
 
 ROWWISE_FAMILIES = frozenset({
     "Klear", "afmoe", "apertus", "cohere", "cohere2", "deepseek", "dots1", "ernie4_5",
-    "ernie4_5_moe", "exaone4", "exaone_moe", "gear", "gemma", "gemma3", "gemma3_text", "glm",
-    "glm4", "glm4_moe", "granite", "granitemoe", "helium", "hunyuan_v1_dense", "internlm3",
-    "laguna", "llama", "mellum", "mimo", "minicpm", "minimax", "mistral3", "mixtral",
-    "nanbeige", "nemotron", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "pixtral", "qwen2",
-    "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_vl", "seed_oss", "smollm3",
-    "solar_open", "stablelm", "starcoder2", "telechat3",
+    "ernie4_5_moe", "exaone4", "exaone_moe", "gear", "gemma", "gemma2", "gemma3",
+    "gemma3_text", "glm", "glm4", "glm4_moe", "gpt_oss", "granite", "granitemoe", "helium",
+    "hunyuan_v1_dense", "internlm3", "laguna", "llama", "mellum", "mimo", "minicpm", "minimax",
+    "mistral3", "mixtral", "nanbeige", "nemotron", "olmo2", "olmo3", "olmoe", "phi3", "phimoe",
+    "pixtral", "qwen2", "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_vl", "seed_oss",
+    "smollm3", "solar_open", "stablelm", "starcoder2", "telechat3",
 })
 
 
@@ -32,4 +32,22 @@ PACKABLE_FAMILIES = frozenset({
     "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "pixtral", "qwen2", "qwen2_moe", "qwen2_vl",
     "qwen3", "qwen3_moe", "qwen3_vl", "seed_oss", "smollm3", "solar_open", "stablelm",
     "starcoder2", "telechat3", "youtu_llm",
+})
+
+
+# The families whose every decoder layer takes its attention backward tile by tile
+# over the keys on long rows (engine/attention.py `tiled_vjp`: one tile of scores
+# at a time, sinks, soft caps, windows, block masks and donor K/V included). Any
+# other plans its long rows with MLX's backward per block of query rows: [heads,
+# block, keys] scores. The family walk checks this list against what each
+# family's step does.
+TILED_FAMILIES = frozenset({
+    "Klear", "afmoe", "apertus", "cohere", "cohere2", "deepseek", "dots1", "ernie4_5",
+    "ernie4_5_moe", "exaone4", "exaone_moe", "gear", "gemma", "gemma2", "gemma3",
+    "gemma3_text", "gemma4", "gemma4_text", "glm", "glm4", "glm4_moe", "gpt_oss", "granite",
+    "granitemoe", "helium", "hunyuan_v1_dense", "internlm3", "laguna", "llama", "mellum",
+    "mimo", "minicpm", "minimax", "mistral3", "mixtral", "nanbeige", "nemotron", "olmo2",
+    "olmo3", "olmoe", "phi3", "phimoe", "pixtral", "qwen2", "qwen2_moe", "qwen2_vl", "qwen3",
+    "qwen3_moe", "qwen3_vl", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
+    "telechat3", "youtu_llm",
 })

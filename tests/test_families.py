@@ -6,8 +6,11 @@ hand. For each one that builds as a tiny random model (fp32, windows of 8
 tokens, sliding and full layers mixed where the family has them), either the cut
 is refused with a one-line `ModelError`, or the segmented step's loss and LoRA
 gradients at segment sizes 1 and 2, with the attention backward in blocks and
-the MLP in chunks of rows (engine/layer.py), equal
-plain autodiff of the model's own forward on a row longer than every window.
+the MLP in chunks of rows (engine/layer.py), rows apart where the layer allows
+it (engine/rows.py), boundaries in memory and on disk, equal plain autodiff of
+the model's own forward on a row longer than every window. The tile thresholds
+are lowered (rows past 16 tokens go tile by tile over 7 keys), and the walk
+counts in which layers the backward went tile by tile (`tile_counter`).
 Nothing in between: a family may not load and then train on another loss.
 """
 
@@ -20,7 +23,7 @@ from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import ModelError, check_length, model_parts
 from segctl.engine.settings import StepMemory
 from segctl.engine.step import pack_refusal
-from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES
+from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES, TILED_FAMILIES
 from tests.conftest import WIDE, random_lora
 from tests.zoo import families, tiny_model
 
@@ -29,6 +32,43 @@ pytestmark = pytest.mark.slow   # the walk over every model family
 TOL = 1e-4
 BLOCK = 16
 CHUNK = 11   # MLP rows per chunk: divides no row length here
+TILE = 7     # keys per tile, on rows past TILED_ABOVE tokens
+TILED_ABOVE = 16
+
+
+def tile_counter(monkeypatch) -> list[list[int]]:
+    """Lower the tile thresholds and count: one [parts over more than TILE keys,
+    parts that went tile by tile] per attention backward in blocks
+    (`blocked_grads`: one per attention layer a segmented backward reaches)."""
+    from segctl.engine import attention
+    monkeypatch.setattr(attention, "ATTN_KEY_TILE", TILE)
+    monkeypatch.setattr(attention, "ATTN_TILED_ABOVE", TILED_ABOVE)
+    counts: list[list[int]] = []
+    tiled, blocked = attention.tiled_vjp, attention.blocked_grads
+
+    def count_tile(*args, **kwargs):
+        counts[-1][1] += 1
+        return tiled(*args, **kwargs)
+
+    def count_block(q, k, v, d_out, mask, scale, block, *rest, **kwargs):
+        L, S = q.shape[2], k.shape[2]
+        wide = sum(sum(b - a for a, b in ranges) > TILE
+                   for i in range(0, L, block)
+                   for _, _, ranges, _ in attention._block_parts(mask, i, min(i + block, L), L, S))
+        counts.append([wide, 0])
+        return blocked(q, k, v, d_out, mask, scale, block, *rest, **kwargs)
+
+    monkeypatch.setattr(attention, "tiled_vjp", count_tile)
+    monkeypatch.setattr(attention, "blocked_grads", count_block)
+    return counts
+
+
+def tiled_in_every_layer(counts, layers: int) -> bool:
+    """Every layer's attention backward went in blocks (one call each) and every
+    part of a block over more than a tile of keys went tile by tile (with sinks,
+    every part does)."""
+    return len(counts) == layers and all(t >= w for w, t in counts) and \
+        sum(w for w, _ in counts) > 0
 
 
 
@@ -54,7 +94,7 @@ def _scale(ref, k):
 
 
 @pytest.mark.parametrize("family", families())
-def test_family_trains_exactly_or_is_refused(family):
+def test_family_trains_exactly_or_is_refused(family, monkeypatch, tmp_path):
     try:
         model, _ = tiny_model(family)
     except (Exception, SystemExit) as e:
@@ -65,7 +105,7 @@ def test_family_trains_exactly_or_is_refused(family):
     except ModelError as e:
         assert "\n" not in str(e) and str(e).startswith(f"{family}: ")
         return
-    # The planner's list of row-wise families is the engine's verdict on each.
+    # The planner's lists of row-wise and tiled families are the engine's verdicts.
     assert all(parts.rowwise) == (family in ROWWISE_FAMILIES), (family, parts.rowwise)
     _lora(model, family)
     n = check_length(getattr(model, "language_model", model)) + 2 * BLOCK + 3      # past every window, several blocks
@@ -76,15 +116,20 @@ def test_family_trains_exactly_or_is_refused(family):
     # Real gradients (a family may leave a few exactly zero, e.g. q/k under a norm).
     live = sum(mx.max(mx.abs(g)).item() > 0 for g in ref.values())
     assert live >= len(ref) / 2, (family, live, len(ref))
-    for seg in (1, 2):
+    counts = tile_counter(monkeypatch)
+    verdicts = []
+    for seg, offload in ((1, None), (2, tmp_path)):
+        counts.clear()
         loss, grads = loss_and_grads(model, ex,
                                      memory=StepMemory(segment_size=seg, attn_block=BLOCK,
-                                                       mlp_chunk=CHUNK),
+                                                       mlp_chunk=CHUNK, offload=offload),
                                      parts=parts)
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, seg)
         assert grads.keys() == ref.keys()
         worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
         assert worst <= TOL, (family, seg, worst)
+        verdicts.append(tiled_in_every_layer(counts, len(parts.layers)))
+    assert verdicts[0] == verdicts[1] == (family in TILED_FAMILIES), (family, verdicts, counts)
     _packs_exactly_or_says_why(model, parts, family, ids, n)
 
 
@@ -197,9 +242,10 @@ def test_prefix_shared_preference_runs_exactly_or_falls_back(family):
 
 
 def test_layers_that_use_the_mask_themselves_get_arrays():
-    # gemma2 scores by hand; deepseek_v3's MLA adds the mask to its position scores
-    # before attention: neither may see a BlockMask. Plain attention may.
-    for family, takes in (("gemma2", False), ("deepseek_v3", False), ("llama", True),
+    # deepseek_v3's MLA adds the mask to its position scores before attention: it
+    # may not see a BlockMask. Plain attention may, and so may gemma2's scores by
+    # hand once engine/capped.py has made them one soft-capped call.
+    for family, takes in (("gemma2", True), ("deepseek_v3", False), ("llama", True),
                           ("gpt_oss", True)):
         parts = model_parts(tiny_model(family)[0], name=family)
         assert parts.block_masks == [takes] * len(parts.layers), family

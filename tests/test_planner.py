@@ -319,16 +319,29 @@ LLAMA_8B = ModelInfo(model_type="llama", n_layers=32, hidden=4096, intermediate=
 def test_a_row_wise_family_plans_its_layers_a_chunk_at_a_time():
     """A family whose layers the engine runs rows apart holds q, k, v, o and one
     chunk's work per layer, not the layer's whole-row work; with LoRA dropout on
-    (no layer is cut then) or a family not in the list, the figure is the old one."""
+    (no layer is cut then) or a family not in the list (but tiled, as llama is),
+    the figure is the old one."""
     import dataclasses
     at = dict(seq_len=131072, segment_size=1, attn_block=256, mlp_chunk=4096, offload=True)
     rows = predict_gb(LLAMA_8B, **at)
     whole = predict_gb(LLAMA_8B, **at, dropout=0.1)
-    assert whole == predict_gb(dataclasses.replace(LLAMA_8B, model_type="gemma2"), **at)
+    assert whole == predict_gb(dataclasses.replace(LLAMA_8B, model_type="gemma4_text"), **at)
     assert rows < 0.75 * whole
     # the H200 measured 22.75 GB at 32K in memory: the estimate stays above it
     assert 22.75 < predict_gb(LLAMA_8B, seq_len=32768, segment_size=1, attn_block=1024,
                               mlp_chunk=4096) < 1.5 * 22.75
+
+
+def test_a_family_not_tiled_plans_long_rows_at_the_per_block_cost():
+    """Past ATTN_TILED_ABOVE tokens a family of TILED_FAMILIES is planned with one
+    tile of scores per block, any other with the block's scores over every key
+    (both families here keep their layers whole, so only the tiles differ)."""
+    import dataclasses
+    tiled = dataclasses.replace(LLAMA_8B, model_type="gemma4_text")
+    whole = dataclasses.replace(LLAMA_8B, model_type="qwen3_next")
+    at = dict(segment_size=1, attn_block=1024, mlp_chunk=4096, offload=True)
+    assert predict_gb(whole, seq_len=65536, **at) > predict_gb(tiled, seq_len=65536, **at) + 1
+    assert predict_gb(whole, seq_len=16384, **at) == predict_gb(tiled, seq_len=16384, **at)
 
 
 def test_mlp_chunks_and_offload_lower_long_rows_only():

@@ -163,16 +163,19 @@ def _causal_noise(n):
 
 @pytest.mark.parametrize("mask", ["causal", None, "causal-long-keys", "prefix", "window",
                                   "array"])
-def test_the_tiled_backward_equals_autodiff(mask, monkeypatch):
+@pytest.mark.parametrize("twist", [None, "sinks", "softcap"])
+def test_the_tiled_backward_equals_autodiff(mask, twist, monkeypatch):
     """A block over more keys than ATTN_KEY_TILE runs tile by tile (scores for one
     tile of keys at a time, a first pass for each row's log-sum-exp): the same
-    dq, dk, dv as autodiff of the attention, under every mask a block can have."""
+    dq, dk, dv (and d sinks) as autodiff of the attention, under every mask a
+    block can have, with attention sinks (gpt-oss) and soft-capped scores (Gemma 2)."""
     from segctl.engine import attention
     monkeypatch.setattr(attention, "ATTN_KEY_TILE", 5)
     monkeypatch.setattr(attention, "ATTN_TILED_ABOVE", 8)
     tiled = []
     original = attention.tiled_vjp
-    monkeypatch.setattr(attention, "tiled_vjp", lambda *a: tiled.append(1) or original(*a))
+    monkeypatch.setattr(attention, "tiled_vjp",
+                        lambda *a, **kw: tiled.append(1) or original(*a, **kw))
     n, keys = 37, 37
     if mask == "causal-long-keys":
         n, mask = 16, "causal"   # fewer rows than keys: "causal" is lower-right aligned
@@ -181,18 +184,23 @@ def test_the_tiled_backward_equals_autodiff(mask, monkeypatch):
     q, k, v = qkv(n, 4, 2, seed=3)
     k, v = (qkv(keys, 4, 2, seed=4)[1:]) if keys != n else (k, v)
     d_out = mx.random.normal(q.shape, key=mx.random.key(6))
-    out, ref = mx.vjp(lambda a, b, c: [attend(a, b, c, 0.3, m)], [q, k, v], [d_out])
+    sinks = [mx.random.normal((4,), key=mx.random.key(9))] if twist == "sinks" else []
+    cap = 2.0 if twist == "softcap" else None
+    out, ref = mx.vjp(lambda a, b, c, *s: [attend(a, b, c, 0.3, m, *s, softcap=cap)],
+                      [q, k, v, *sinks], [d_out])
     delta = (d_out * out[0]).sum(-1)
     for block in (4, 16):
-        got = blocked_grads(q, k, v, d_out, m, 0.3, block, delta=delta)
+        got = blocked_grads(q, k, v, d_out, m, 0.3, block, *sinks, delta=delta, softcap=cap)
+        assert len(got) == len(ref)
         for a, b in zip(got, ref):
-            assert mx.allclose(a, b, atol=1e-5).item(), (mask, block)
+            assert mx.allclose(a, b, atol=1e-5).item(), (mask, twist, block)
     assert tiled, "no block went tile by tile"
-    # rows no longer than ATTN_TILED_ABOVE keep MLX's backward per block
+    # rows no longer than ATTN_TILED_ABOVE keep MLX's backward per block, but for
+    # sinks, which MLX's CUDA backward does not take: they always go tile by tile
     monkeypatch.setattr(attention, "ATTN_TILED_ABOVE", n)
     tiled.clear()
-    blocked_grads(q, k, v, d_out, m, 0.3, 4, delta=delta)
-    assert not tiled
+    blocked_grads(q, k, v, d_out, m, 0.3, 4, *sinks, delta=delta, softcap=cap)
+    assert bool(tiled) == bool(sinks)
 
 
 def test_the_tiled_backward_holds_a_tile_of_scores(monkeypatch):

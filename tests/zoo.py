@@ -45,6 +45,7 @@ OVERRIDES = {
     "gemma2": dict(query_pre_attn_scalar=8.0, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0),
     "gemma3_text": dict(query_pre_attn_scalar=8.0, sliding_window_pattern=3),
+    "gear": dict(attn_logit_softcapping=5.0),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=None,
                     swiglu_limit=7.0),
     "olmo3": dict(layer_types=None),
