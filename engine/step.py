@@ -30,7 +30,7 @@ and handed to the producer as extra cotangents next to dh.
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -43,7 +43,7 @@ from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
-from . import rows
+from . import attention, rows
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .data import PreferenceExample
 from .layer import eager, layer_vjp
@@ -401,15 +401,20 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
     # forward runs as it is.
     shared = next((s for s in plan.streams if s.runs), plan.streams[0])
     own = all(_own_forward(s, grad_checkpoint) for s in plan.streams)
-    # The model's own forward keeps its own attention, but for calls with sinks
-    # where MLX's backward takes none (attention.own_sinks_vjp).
-    with swapped_sdpa(parts.layers, block_mask_sdpa) if own else _positions(parts, shared):
+    # The model's own forward runs as it is: off the CPU, its calls with sinks take
+    # their backward from the tiles (attention.own_sinks_vjp: MLX's takes none there).
+    with (_own_sinks(parts) if own else _positions(parts, shared)):
         (loss, sums), grads = nn.value_and_grad(model, loss_fn)(model)
         grads = dict(tree_flatten(grads))
         mx.eval(loss, sums, grads)
     if on_phase:
         on_phase("step")
     return loss, grads, sums
+
+
+def _own_sinks(parts):
+    return swapped_sdpa(parts.layers, block_mask_sdpa) if attention.own_sinks_vjp() \
+        else nullcontext()
 
 
 def _own_forward(stream, grad_checkpoint) -> bool:

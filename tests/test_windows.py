@@ -336,7 +336,8 @@ def test_the_plain_reference_is_the_models_own_forward_and_nothing_leaks():
 
 
 def test_hand_written_attention_keeps_array_masks():
-    # gemma2 computes its scores by hand (soft-capped), so it never sees a BlockMask.
+    # mlx-lm's gemma2 layer as it is (engine/capped.py not applied) computes its
+    # scores by hand (soft-capped), so it never sees a BlockMask.
     from segctl.engine.attention import takes_block_masks
     from segctl.engine.plans import Stream
     from segctl.engine.step import _masks
