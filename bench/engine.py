@@ -230,7 +230,7 @@ def run(args) -> dict:
         "device": str(mx.default_device()),
         "device_name": _device_name(),
     }
-    row["predicted_gb"] = planned_gb(row, args) if args.impl == "segctl" else None
+    row["predicted_gb"] = planned_gb(model, row, args) if args.impl == "segctl" else None
     if args.phases:
         row["phases"] = [[label, round(p, 4)] for label, p in phases]
         # where the last step's time went: forward, head, backward, the rest (update)
@@ -244,15 +244,15 @@ def run(args) -> dict:
     return row
 
 
-def planned_gb(row: dict, args) -> float | None:
+def planned_gb(model, row: dict, args) -> float | None:
     """What the planner (orchestrator/planner.py) predicts for this row's step, from
-    the row's shape and the bytes its weights took: a row checks the planner where
-    it is measured. None where the planner has no figure for it."""
-    from segctl.orchestrator.planner import ModelInfo, predict_gb
+    the model's config (as `segctl plan` reads config.json) and the bytes its
+    weights took: a row checks the planner where it is measured. None where the
+    planner has no figure for it."""
+    from segctl.orchestrator.planner import ModelInfo, predict_gb, shape_facts
     try:
-        info = ModelInfo(model_type=row["arch"], n_layers=row["layers"], hidden=row["dim"],
-                         intermediate=row["intermediate"], heads=row["heads"],
-                         kv_heads=row["kv_heads"], head_dim=row["head_dim"], vocab=row["vocab"],
+        margs = getattr(model, "args", None)
+        info = ModelInfo(**shape_facts(dict(vars(margs)), "the model's args"),
                          weight_bytes=row["weight_bytes"],
                          act_bytes=4 if row["dtype"] == "float32" else 2)
         got = predict_gb(info, seq_len=row["seq"], segment_size=row["segment_size"] or 0,

@@ -110,27 +110,37 @@ class ModelInfo:
     vocab: int
     weight_bytes: int   # the model's safetensors on disk, which is what MLX loads
     act_bytes: int      # 4 for float32, 2 for bf16/fp16 (activations follow the weights' dtype)
+    # Per layer, the width of an input of its own that the step holds for every token
+    # from start to end (Gemma-4's per-layer inputs); 0: none.
+    layer_input: int = 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # A field at its default stays out, so the plan tables of models without it
+        # keep their names (model_key hashes this dict).
+        return {k: v for k, v in asdict(self).items() if k not in OPTIONAL_FACTS or v}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelInfo":
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in d]
+        missing = [n for n in names if n not in d and n not in OPTIONAL_FACTS]
         if missing:
             raise ValueError(f"model info lacks {', '.join(missing)}")
-        values: dict[str, Any] = {n: d[n] if n == "model_type" else int(d[n]) for n in names}
+        values: dict[str, Any] = {n: d[n] if n == "model_type" else int(d[n])
+                                  for n in names if n in d}
         info = cls(**values)
         # The head plans from this dict as it arrives: hold it to config.json's bounds.
         check_model_config(dict(model_type=info.model_type, num_hidden_layers=info.n_layers,
                                 hidden_size=info.hidden, intermediate_size=info.intermediate,
                                 num_attention_heads=info.heads, num_key_value_heads=info.kv_heads,
                                 head_dim=info.head_dim, vocab_size=info.vocab), "model info")
-        if info.act_bytes not in (1, 2, 4) or info.weight_bytes < 0:
+        if info.act_bytes not in (1, 2, 4) or info.weight_bytes < 0 or \
+                not 0 <= info.layer_input <= info.hidden * 64:
             raise ValueError(f"model info: act_bytes {info.act_bytes} / weight_bytes "
                              f"{info.weight_bytes} out of range")
         return info
+
+
+OPTIONAL_FACTS = ("layer_input",)   # ModelInfo's facts that default to 0
 
 
 def model_info(model_dir: str) -> ModelInfo:
@@ -146,31 +156,49 @@ def model_info(model_dir: str) -> ModelInfo:
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise ValueError(f"{folder}: no *.safetensors weights")
+    return ModelInfo(**shape_facts(cfg, f"{folder}/config.json"),
+                     weight_bytes=sum(p.stat().st_size for p in weights),
+                     act_bytes=_act_bytes(weights, cfg))
 
+
+def shape_facts(cfg: dict, where: str) -> dict:
+    """ModelInfo's shape fields from a model's config (config.json's keys, or an
+    mlx-lm ModelArgs' fields); a bad value raises ValueError naming `where`."""
     def whole(*keys, default=None):
         """The first of `keys` the config has, as a positive whole number."""
         for k in keys:
             v = cfg.get(k)
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{folder}/config.json: {k}: expected a whole number, got {v!r}")
+                    raise ValueError(f"{where}: {k}: expected a whole number, got {v!r}")
                 return v
         if default is None:
-            raise ValueError(f"{folder}/config.json: {keys[0]}: missing")
+            raise ValueError(f"{where}: {keys[0]}: missing")
         return default
 
     hidden = whole("hidden_size", "d_model", "n_embd")
     heads = whole("num_attention_heads", "n_head")
-    return ModelInfo(model_type=str(cfg.get("model_type", "?")),
-                     n_layers=whole("num_hidden_layers", "n_layer", "num_layers"),
-                     hidden=hidden,
-                     intermediate=whole("intermediate_size", "ffn_dim", default=4 * hidden),
-                     heads=heads,
-                     kv_heads=whole("num_key_value_heads", default=heads),
-                     head_dim=whole("head_dim", default=hidden // heads),
-                     vocab=whole("vocab_size"),
-                     weight_bytes=sum(p.stat().st_size for p in weights),
-                     act_bytes=_act_bytes(weights, cfg))
+    model_type = str(cfg.get("model_type", "?"))
+    intermediate = whole("intermediate_size", "ffn_dim", default=4 * hidden)
+    head_dim = whole("head_dim", default=hidden // heads)
+    # Layers of two kinds are planned as the larger (the peak is the worst layer's):
+    # Gemma-4's full-attention layers have heads of global_head_dim, and the layers
+    # reading a donor's K/V an MLP twice as wide (mlx-lm's use_double_wide_mlp).
+    head_dim = max(head_dim, whole("global_head_dim", default=head_dim))
+    shared = cfg.get("num_kv_shared_layers")
+    if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 and \
+            cfg.get("use_double_wide_mlp", model_type.startswith("gemma4")) is True:
+        intermediate *= 2
+    return dict(model_type=model_type, n_layers=whole("num_hidden_layers", "n_layer", "num_layers"),
+                hidden=hidden, intermediate=intermediate, heads=heads,
+                kv_heads=whole("num_key_value_heads", default=heads), head_dim=head_dim,
+                vocab=whole("vocab_size"), layer_input=_layer_input(cfg))
+
+
+def _layer_input(cfg: dict) -> int:
+    """Gemma-4's per-layer input width (hidden_size_per_layer_input), 0 elsewhere."""
+    v = cfg.get("hidden_size_per_layer_input")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
 def _act_bytes(weights: list[Path], cfg: dict) -> int:
@@ -450,6 +478,8 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # Alive through the whole step: the frozen weights, and the LoRA parameters
     # with their grads and AdamW moments (fp32 whatever the model's dtype).
     resident = info.weight_bytes + LORA_COPIES * F32 * _lora_params(info, rank, n_lora)
+    # Per-layer inputs (Gemma-4): every layer's, for every token, made once a stream.
+    resident += streams * L * n * info.layer_input * info.act_bytes
     # One [L, hidden] hidden state: a segment boundary, dh, a recomputed layer input.
     # Stored, it is the model's dtype (`state`); being computed, it costs `a`.
     hidden_state = L * info.hidden * a

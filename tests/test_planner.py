@@ -4,8 +4,10 @@ against the real engine's measured peak."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,8 @@ from bench.planner_fit import block_alone_gb, measure_peak_gb, random_row
 from segctl.orchestrator.planner import ModelInfo, longest_row, model_info, plan, predict_gb
 from segctl.schemas.job import JobSpec, load_job
 from tests.conftest import free_earlier_arrays
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Qwen3-0.6B's shape in bf16, and a deep 80-layer one: the planner is used on
 # models like these without ever loading them.
@@ -321,7 +325,6 @@ def test_a_row_wise_family_plans_its_layers_a_chunk_at_a_time():
     chunk's work per layer, not the layer's whole-row work; with LoRA dropout on
     (no layer is cut then) or a family not in the list (but tiled, as llama is),
     the figure is the old one."""
-    import dataclasses
     at = dict(seq_len=131072, segment_size=1, attn_block=256, mlp_chunk=4096, offload=True)
     rows = predict_gb(LLAMA_8B, **at)
     whole = predict_gb(LLAMA_8B, **at, dropout=0.1)
@@ -336,7 +339,6 @@ def test_a_family_not_tiled_plans_long_rows_at_the_per_block_cost():
     """Past ATTN_TILED_ABOVE tokens a family of TILED_FAMILIES is planned with one
     tile of scores per block, any other with the block's scores over every key
     (both families here keep their layers whole, so only the tiles differ)."""
-    import dataclasses
     tiled = dataclasses.replace(LLAMA_8B, model_type="gemma4_text")
     whole = dataclasses.replace(LLAMA_8B, model_type="qwen3_next")
     at = dict(segment_size=1, attn_block=1024, mlp_chunk=4096, offload=True)
@@ -375,3 +377,38 @@ def test_offload_auto_takes_the_disk_only_where_memory_is_too_small():
     assert forced.offload and forced.predicted_gb == pytest.approx(disk, abs=1e-3)
     with pytest.raises(ValueError, match="offload: disk keeps segment boundaries on disk"):
         job(0, offload="disk")
+
+
+def test_gemma4_is_planned_as_its_largest_layer_with_its_per_layer_inputs(tiny_models):
+    """model_info takes Gemma-4's widest heads (global_head_dim), the double-wide
+    MLP of its K/V sharers and its per-layer inputs; a model without per-layer
+    inputs keeps the dict (and so the plan table name) it had."""
+    folder = tiny_models["gemma4_text"]
+    config = json.loads((folder / "config.json").read_text())
+    info = model_info(str(folder))
+    assert info.head_dim == max(config["head_dim"], config["global_head_dim"])
+    assert info.intermediate == 2 * config["intermediate_size"]
+    assert info.layer_input == config["hidden_size_per_layer_input"] > 0
+    assert ModelInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
+    plain = model_info(str(tiny_models["qwen3"]))
+    assert "layer_input" not in plain.to_dict()
+    assert ModelInfo.from_dict(plain.to_dict()) == plain
+    at = dict(seq_len=4096, segment_size=1)
+    held = predict_gb(info, **at) - predict_gb(dataclasses.replace(info, layer_input=0), **at)
+    assert held == pytest.approx(4096 * info.n_layers * info.layer_input * info.act_bytes / 1e9)
+
+
+def test_the_gpu_gemma4_long_row_is_predicted_within_10_percent():
+    """The H100's Gemma-4-E2B-like row at 64K tokens (bench/results/
+    h100-long-families.jsonl), planned from the shape bench.engine built it with:
+    at or above its measured peak, by at most 10%."""
+    from bench.engine import gemma4_config
+    from segctl.orchestrator.planner import shape_facts
+    rows = [json.loads(line) for line in
+            (ROOT / "bench/results/h100-long-families.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["arch"] == "gemma4_text" and "peak_gb" in r)
+    info = ModelInfo(**shape_facts(gemma4_config(row["layers"], row["dim"], row["vocab"]), "row"),
+                     weight_bytes=row["weight_bytes"], act_bytes=2)
+    got = predict_gb(info, seq_len=row["seq"], segment_size=row["segment_size"],
+                     attn_block=row["attn_block"], mlp_chunk=row["mlp_chunk"], offload=True)
+    assert 1.0 <= got / row["peak_gb"] <= 1.1, got
