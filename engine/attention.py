@@ -233,8 +233,7 @@ def _sinks_attention(q, k, v, scale, mask, sinks, softcap):
         q, k, v, sinks = primals
         d = cotangent[0] if isinstance(cotangent, (list, tuple)) else cotangent
         out = output[0] if isinstance(output, (list, tuple)) else output
-        delta = (d.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
-        return blocked_grads(q, k, v, d, mask, scale, q.shape[2], sinks, delta=delta,
+        return blocked_grads(q, k, v, d, mask, scale, q.shape[2], sinks, delta=delta_of(d, out),
                              softcap=softcap)
 
     return call(q, k, v, sinks)
@@ -336,6 +335,12 @@ def tiles_keys(L: int, sinks=None) -> bool:
     ATTN_TILED_ABOVE tokens, and at any length with attention sinks (MLX's own
     attention backward takes no sinks on CUDA)."""
     return L > ATTN_TILED_ABOVE or sinks is not None
+
+
+def delta_of(d_out, out) -> mx.array:
+    """rowsum(dO O) in fp32, [B, H, rows]: what the tiled backward needs of the
+    attention's output `out` (so `out` itself can go)."""
+    return (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
 
 
 def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None, softcap=None):
@@ -484,7 +489,7 @@ def _tile_fns(softcap: float | None) -> dict:
 def _tile_pair(mode: str, softcap: float | None):
     f32 = mx.float32
 
-    def capped(qs, kt):
+    def scored(qs, kt):
         """(scores, d capped / d raw): raw scores, or soft-capped ones."""
         s = (qs @ kt.swapaxes(-1, -2)).astype(f32)
         if not softcap:
@@ -499,7 +504,7 @@ def _tile_pair(mode: str, softcap: float | None):
         return mx.where(m[0], s, -mx.inf) if mode == "array" else s
 
     def scores(qs, kt, m):
-        return masked(capped(qs, kt)[0], m)
+        return masked(scored(qs, kt)[0], m)
 
     def lse_step(qs, kt, top, total, *m):
         s = scores(qs, kt, m)
@@ -508,7 +513,7 @@ def _tile_pair(mode: str, softcap: float | None):
         return new, total * mx.exp(top - base) + mx.exp(s - base).sum(axis=-1, keepdims=True)
 
     def grads(qs, kt, vt, do, dl, lse, *m):
-        s, slope = capped(qs, kt)
+        s, slope = scored(qs, kt)
         p = mx.exp(masked(s, m) - lse)
         dv = (p.astype(vt.dtype).swapaxes(-1, -2) @ do).astype(f32)
         ds = p * ((do @ vt.swapaxes(-1, -2)).astype(f32) - dl)

@@ -242,10 +242,10 @@ def _heavy(layer, names, block, chunk, run: _Pass):
                 def grads(d):
                     # rowsum(dO O), for a row long enough to go tile by tile over its
                     # keys (its donor's K/V, its sinks and its soft cap included)
-                    delta = (d.astype(mx.float32) * out.astype(mx.float32)).sum(-1) \
-                        if attention.tiles_keys(d.shape[2], *ins[3:]) else None
+                    tiled = attention.tiles_keys(d.shape[2], *ins[3:])
                     return attention.blocked_grads(*ins[:3], d, mask, scale, block, *ins[3:],
-                                                   delta=delta, softcap=softcap)
+                                                   delta=attention.delta_of(d, out) if tiled else None,
+                                                   softcap=softcap)
                 return grads
             return _stand_in(run, [queries, keys, values, *extra], compute, grads_of)
         return sdpa

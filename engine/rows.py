@@ -186,7 +186,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
                                       [d_out[:, a:b]])
             add(dp)
             if tiled:  # rowsum(dO O): what the tiled backward needs of o, so o can go
-                deltas.append((do.astype(mx.float32) * o[:, :, a:b].astype(mx.float32)).sum(-1))
+                deltas.append(attention.delta_of(do, o[:, :, a:b]))
             mx.eval(dx, do, acc, deltas)
             dhs.append(dx)
             dos.append(do)

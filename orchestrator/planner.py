@@ -136,7 +136,7 @@ class ModelInfo:
         if info.act_bytes not in (1, 2, 4) or info.weight_bytes < 0 or \
                 not 0 <= info.layer_input <= info.hidden * 64:
             raise ValueError(f"model info: act_bytes {info.act_bytes} / weight_bytes "
-                             f"{info.weight_bytes} out of range")
+                             f"{info.weight_bytes} / layer_input {info.layer_input} out of range")
         return info
 
 
@@ -185,19 +185,20 @@ def shape_facts(cfg: dict, where: str) -> dict:
     # Gemma-4's full-attention layers have heads of global_head_dim, and the layers
     # reading a donor's K/V an MLP twice as wide (mlx-lm's use_double_wide_mlp).
     head_dim = max(head_dim, whole("global_head_dim", default=head_dim))
-    shared = cfg.get("num_kv_shared_layers")
-    if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 and \
+    if _count(cfg, "num_kv_shared_layers") and \
             cfg.get("use_double_wide_mlp", model_type.startswith("gemma4")) is True:
         intermediate *= 2
     return dict(model_type=model_type, n_layers=whole("num_hidden_layers", "n_layer", "num_layers"),
                 hidden=hidden, intermediate=intermediate, heads=heads,
                 kv_heads=whole("num_key_value_heads", default=heads), head_dim=head_dim,
-                vocab=whole("vocab_size"), layer_input=_layer_input(cfg))
+                vocab=whole("vocab_size"),
+                layer_input=_count(cfg, "hidden_size_per_layer_input"))   # Gemma-4's
 
 
-def _layer_input(cfg: dict) -> int:
-    """Gemma-4's per-layer input width (hidden_size_per_layer_input), 0 elsewhere."""
-    v = cfg.get("hidden_size_per_layer_input")
+def _count(cfg: dict, key: str) -> int:
+    """cfg[key] where it is a positive whole number, else 0 (absent, 0 or not a
+    number: a family's optional size that a config may leave out or turn off)."""
+    v = cfg.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
