@@ -147,6 +147,8 @@ def run(args) -> dict:
     prompt_len = args.seq // 2
     opt = make_optimizer(1e-5)
     phases: list[tuple[str, float]] = []
+    phase_peaks: list[float] = []   # each phase's own peak, GB
+    so_far = [0.0]                  # the step's peak up to the last phase, GB
     clock: list[float] = []  # each phase's end, seconds into the step (the last step's)
 
     p, r = args.seq // 2, args.seq - args.seq // 2
@@ -171,11 +173,18 @@ def run(args) -> dict:
 
         def do_step():
             def on_phase(label):
-                phases.append((label, mx.get_peak_memory() / 1e9))
+                # The peak is reset at each phase's end, so each phase's own peak is
+                # seen (which layer's backward, which part of the step, is the peak);
+                # `phases` keeps the step's peak so far, as before.
+                own = mx.get_peak_memory() / 1e9
+                mx.reset_peak_memory()
+                so_far[0] = max(so_far[0], own)
+                phases.append((label, so_far[0]))
+                phase_peaks.append(round(own, 4))
                 clock.append(time.perf_counter())
                 # also as it happens, so a step cut short still shows how far it got
-                print(f"phase {label} {clock[-1] - starts:.1f}s peak "
-                      f"{phases[-1][1]:.2f} GB active {mx.get_active_memory() / 1e9:.2f} GB",
+                print(f"phase {label} {clock[-1] - starts:.1f}s peak {own:.2f} GB "
+                      f"(step {so_far[0]:.2f}) active {mx.get_active_memory() / 1e9:.2f} GB",
                       file=sys.stderr, flush=True)
             loss, grads = loss_and_grads(model, ex,
                                          memory=StepMemory(segment_size=seg,
@@ -193,13 +202,15 @@ def run(args) -> dict:
     times, peaks, losses = [], [], []
     for _ in range(args.steps):
         phases.clear()
+        phase_peaks.clear()
+        so_far[0] = 0.0
         clock.clear()
         mx.clear_cache()
         mx.reset_peak_memory()
         starts = time.perf_counter()
         loss = do_step()
         times.append(time.perf_counter() - starts)
-        peaks.append(mx.get_peak_memory() / 1e9)
+        peaks.append(max(so_far[0], mx.get_peak_memory() / 1e9))
         losses.append(loss.item())
     row = {
         "impl": args.impl, "method": args.method, "mode": args.mode,
@@ -221,6 +232,11 @@ def run(args) -> dict:
         "mlp_chunk": (args.mlp_chunk or None) if args.impl == "segctl" else None,
         "offload": (args.offload or None) if args.impl == "segctl" else None,
         "rows": sum(parts.rowwise or []) if args.impl == "segctl" and args.mlp_chunk else None,
+        # layers whose MLP runs mlp_chunk rows at a time, and why a layer class does
+        # not run rows apart (engine/rows.py's probe)
+        "tokenwise": sum(bool(t) for t in parts.tokenwise or [])
+        if args.impl == "segctl" and args.mlp_chunk else None,
+        "whole_rows": (parts.whole_rows or None) if args.impl == "segctl" else None,
         "peak_gb": round(max(peaks), 4),
         "tokens_per_gb": round(args.seq / max(peaks)) if max(peaks) > 0 else None,
         "step_s": round(statistics.median(times[1:] if len(times) > 1 else times), 4),
@@ -233,6 +249,7 @@ def run(args) -> dict:
     row["predicted_gb"] = planned_gb(model, row, args) if args.impl == "segctl" else None
     if args.phases:
         row["phases"] = [[label, round(p, 4)] for label, p in phases]
+        row["phase_peaks"] = phase_peaks
         # where the last step's time went: forward, head, backward, the rest (update)
         labels = [label for label, _ in phases]
         if clock and "head" in labels:

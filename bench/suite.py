@@ -162,17 +162,18 @@ PLANS = {
         [dict(LLAMA_8B, seq=32768, **c) for c in (_seg(4096), _seg(4096, offload=True))] +
         [dict(QWEN3_06B, seq=32768, **c) for c in (MLX_CKPT, _seg(4096))]),
     # Long rows of the families whose attention is not plain (sinks, K/V donors),
-    # tile by tile: most wanted first. gpt-oss at 64K with 1024-row blocks peaked
-    # at 28.7 GB (results/h100-long-families.jsonl): its 64 heads' tiles are the
-    # peak, so its rows take 512-row blocks.
+    # tile by tile: most wanted first. (gpt-oss's 64 heads: 256-row blocks at 64K,
+    # though its rows at 1024 and 256 peaked alike, results/h100-long-families.jsonl.)
+    # A gpt-oss row at 64K takes ~7 minutes, a fresh machine's first row minutes more.
     "gpu-long-families": [dict(GPT_OSS_20B, seq=65536, **dict(_seg(4096, offload=True),
-                                                               attn_block=512)),
+                                                               attn_block=256)),
                           dict(GEMMA4_E2B, seq=131072, **_seg(4096, offload=True), steps=1),
                           dict(GPT_OSS_20B, seq=32768, **dict(_seg(4096, offload=True),
                                                               attn_block=512)),
                           dict(GEMMA4_E2B, seq=32768, **_seg(4096), steps=1),
                           dict(GEMMA4_E2B, seq=65536, **_seg(4096, offload=True), steps=1),
-                          dict(GEMMA4_E2B, seq=32768, **MLX_CKPT, steps=1)],
+                          dict(GEMMA4_E2B, seq=32768, **MLX_CKPT, steps=1),
+                          dict(GPT_OSS_20B, seq=32768, **MLX_CKPT)],
     "cpu-orpo": [dict(CPU, seq=1024, **c) for c in ORPO_COMPARE + ORPO_PLAIN],
     "cpu-gemma4": [dict(GEMMA4_CPU, seq=1024, **c) for c in GEMMA4_COMPARE],
     # (mlx-lm-lora plain and segment size 2 two-branch are in h200-orpo-v0-densemask.jsonl)

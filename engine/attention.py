@@ -387,7 +387,7 @@ def blocked_grads(q, k, v, d_out, mask, scale, block, sinks=None, delta=None, so
             dq = dq.at[:, :, a:b].add(dqb)
             del dqb
             mx.eval(dq, sums, d_sinks)
-            _trim_cache()
+            trim_cache()
     dk, dv = sums
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype),
             *[g.astype(s.dtype) for g, s in zip(d_sinks, extra)])
@@ -529,7 +529,8 @@ def _tile_pair(mode: str, softcap: float | None):
 CACHE_CAP = 4 << 30
 
 
-def _trim_cache():
+def trim_cache():
+    """The buffer cache handed back when it holds more than CACHE_CAP."""
     if mx.get_cache_memory() > CACHE_CAP:
         mx.clear_cache()
 

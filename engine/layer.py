@@ -59,6 +59,23 @@ TOKENWISE_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe")
 
 # ---------------------------------------------------------------- which children
 
+# A probe of whether a layer (or a child) may be cut runs it on PROBE_ROWS rows,
+# whole and in two pieces. The step's pieces are thousands of rows long, and a
+# probe should run the kernels they run: mlx-lm's experts sort their tokens from
+# 64 routed rows up, which a few rows never reach. On a 6-row probe, a gpt-oss
+# layer's backward failed on CUDA (MLX 0.32: "cuGraphAddKernelNode ... invalid
+# argument"), so its layers ran whole at 64K tokens, not rows apart.
+PROBE_ROWS = 128
+
+
+def spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    """Rows [0, n) in pieces of at most `chunk`, as even as can be: a row of
+    2 chunk + 5 is three pieces of about (2 chunk + 5) / 3, never a 5-row tail
+    (a few rows take other kernels than a chunk does: PROBE_ROWS)."""
+    k = max(1, -(-n // chunk))
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
 def tokenwise_children(layer: nn.Module, run_layer, dim: int) -> list[str]:
     """Names of `layer`'s children that are token-wise and that the layer calls once,
     on its whole row. `run_layer(h)` runs the layer on h [1, n, dim]."""
@@ -74,10 +91,10 @@ def tokenwise_children(layer: nn.Module, run_layer, dim: int) -> list[str]:
             return _child(x)
         try:
             with _swapped_child(layer, name, spy):
-                mx.eval(run_layer(_probe_rows(dim, 6)))
+                mx.eval(run_layer(_probe_rows(dim, PROBE_ROWS)))
         except Exception:
             continue
-        if calls == [(1, 6, dim)]:
+        if calls == [(1, PROBE_ROWS, dim)]:
             found.append(name)
     return found
 
@@ -88,15 +105,17 @@ def _probe_rows(dim: int, n: int, dtype=mx.float32) -> mx.array:
 
 
 def _rowwise(module: nn.Module, dim: int) -> bool:
-    """module(x) of 6 rows equals the module of rows 0-2 and 3-5 apart, and keeps x's shape."""
+    """module(x) of PROBE_ROWS rows equals the module of its two halves apart, and
+    keeps x's shape."""
     try:
         dtype = next((v.dtype for _, v in tree_flatten(module.parameters())
                       if mx.issubdtype(v.dtype, mx.floating)), mx.float32)
-        x = _probe_rows(dim, 6, dtype)
+        x = _probe_rows(dim, PROBE_ROWS, dtype)
         whole = module(x)
         if not isinstance(whole, mx.array) or whole.shape != x.shape:
             return False
-        cut = mx.concatenate([module(x[:, :3]), module(x[:, 3:])], axis=1)
+        half = PROBE_ROWS // 2
+        cut = mx.concatenate([module(x[:, :half]), module(x[:, half:])], axis=1)
         return same_cut(whole, cut)
     except Exception:
         return False
@@ -167,8 +186,8 @@ def _chunked(module, chunk):
             return module(x)
         mx.eval(x)
         outs = []
-        for a in range(0, n, chunk):
-            outs.append(module(x[:, a:a + chunk]))
+        for a, b in spans(n, chunk):
+            outs.append(module(x[:, a:b]))
             mx.eval(outs[-1])
         return mx.concatenate(outs, axis=1)
     return run
@@ -305,8 +324,8 @@ def _chunked_vjp(module, names, x, values, d_out, chunk):
 
     dxs, acc = [], None
     try:
-        for a in range(0, x.shape[1], chunk):
-            _, (dx, *dp) = mx.vjp(f, [x[:, a:a + chunk], *values], [d_out[:, a:a + chunk]])
+        for a, b in spans(x.shape[1], chunk):
+            _, (dx, *dp) = mx.vjp(f, [x[:, a:b], *values], [d_out[:, a:b]])
             acc = dp if acc is None else [s + g for s, g in zip(acc, dp)]
             mx.eval(dx, acc)
             dxs.append(dx)

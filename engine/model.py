@@ -23,7 +23,7 @@ loss. `check_family` runs the same cut on a model built from config.json alone
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -63,6 +63,9 @@ class ModelParts:
     block_masks: list[bool] | None = None       # per layer: attention takes a BlockMask
     tokenwise: list[list[str]] | None = None    # per layer: its token-wise children (engine/layer.py)
     rowwise: list[bool] | None = None           # per layer: may run rows apart (engine/rows.py)
+    # per layer class the row-wise probe refused: why (a layer with donor K/V or
+    # per-layer inputs is not probed: those are whole by design)
+    whole_rows: dict[str, str] = field(default_factory=dict)
     pack_verdict: tuple | None = None           # (why rows cannot be packed, or None): step.pack_refusal
     side_verdict: tuple | None = None           # (why rows cannot run side by side, or None): step.side_refusal
 
@@ -174,7 +177,7 @@ def model_parts(model: nn.Module, *, name: str = "model", check: bool = True,
         capped.adopt(parts.layers, h0.shape[-1], h0.dtype)
         parts.block_masks = _block_mask_layers(parts, inner.embed_tokens.weight.shape[0])
         parts.tokenwise = _tokenwise_layers(parts, inner.embed_tokens.weight.shape[0])
-        parts.rowwise = _rowwise_layers(parts)
+        parts.rowwise, parts.whole_rows = _rowwise_layers(parts)
     if check:
         _check_parts(model, parts, name, mtype, length, inner.embed_tokens.weight.shape[0])
     return parts
@@ -346,18 +349,19 @@ def _tokenwise_layers(parts: ModelParts, vocab: int) -> list[list[str]]:
     return out
 
 
-def _rowwise_layers(parts: ModelParts) -> list[bool]:
-    """Per layer, whether engine/rows.py may run it a chunk of rows at a time: no
+def _rowwise_layers(parts: ModelParts) -> tuple[list[bool], dict[str, str]]:
+    """(per layer, whether engine/rows.py may run it a chunk of rows at a time: no
     K/V from another layer, no per-layer inputs, and the same output and gradients
-    cut as whole under each mask kind the step gives it; checked once per layer class."""
+    cut as whole under each mask kind the step gives it; checked once per layer
+    class), (why the probe refused a class, by its name)."""
     from .attention import BlockMask
     assert parts.block_masks is not None   # model_parts sets them just before
-    from .rows import rowwise
+    from .rows import refusal
 
     h0 = parts.embed(mx.array([[1]]))
     dim, dtype = h0.shape[-1], h0.dtype
     extras = parts.layer_inputs(mx.array([[1] * 6]), mx.zeros((1, 6, dim), dtype))
-    verdict: dict[type, bool] = {}
+    verdict: dict[type, str | None] = {}
     out = []
     for i, layer in enumerate(parts.layers):
         kind = type(layer)
@@ -366,10 +370,10 @@ def _rowwise_layers(parts: ModelParts) -> list[bool]:
             continue
         if kind not in verdict:
             masks = ("causal", BlockMask(rows=2)) if parts.block_masks[i] else ("causal",)
-            verdict[kind] = rowwise(layer, lambda h, m, i=i: parts.call(i, h, m)[0], dim, dtype,
+            verdict[kind] = refusal(layer, lambda h, m, i=i: parts.call(i, h, m)[0], dim, dtype,
                                     masks)
-        out.append(verdict[kind])
-    return out
+        out.append(verdict[kind] is None)
+    return out, {kind.__name__: why for kind, why in verdict.items() if why}
 
 
 def _same_with_block_mask(parts, i, ids, BlockMask, block_mask_sdpa, swapped_sdpa) -> bool:

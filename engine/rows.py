@@ -20,9 +20,10 @@ Q's vjp per chunk (d h, d o, d parameters), attention's blocked backward
 (dq, dk, dv), P's vjp per chunk (d h, d parameters). Nothing larger than q, k,
 v, o, their gradients and the layer's input and output gradient is ever whole.
 
-That a layer may be cut so is not assumed from its class: `rowwise` runs one
-on a few rows whole and cut, forward and backward, and only a layer that gives
-the same is cut (once per layer class, at load). A layer whose attention is
+That a layer may be cut so is not assumed from its class: `refusal` runs one
+on PROBE_ROWS rows whole and cut, forward and backward, and only a layer that
+gives the same is cut (once per layer class, at load; why a class was refused is
+kept, and a job's start says it). A layer whose attention is
 not one sdpa call of mlx-lm's (hand-written scores other than engine/capped.py's
 soft cap, K/V from another layer, per-layer inputs) or whose LoRA dropout is on
 keeps engine/layer.py's way. Attention sinks and a soft cap go with the call to
@@ -38,7 +39,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import attention
-from .layer import _dropout_off, same_cut, set_params
+from .layer import PROBE_ROWS, _dropout_off, same_cut, set_params, spans
 
 
 class RunRope(nn.Module):
@@ -116,15 +117,11 @@ def _chunk(layer, start: int, attn: _Attn):
             m.rope = rope
 
 
-def _spans(n: int, chunk: int):
-    return [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-
-
 def _qkv(layer, call, h, mask, chunk):
     """(q, k, v, the _Attn that took the last chunk: its scale, mask, sinks and soft
     cap) over the whole row, P run a chunk at a time outside any transform."""
     parts = []   # a row has at least one chunk: `attn` is the last one's
-    for a, b in _spans(h.shape[1], chunk):
+    for a, b in spans(h.shape[1], chunk):
         with _chunk(layer, a, _Attn()) as attn:
             call(h[:, a:b], mask)
         if attn.taken is None or not (attn.mask is mask or (
@@ -152,7 +149,7 @@ def forward(layer, call, h, mask, chunk: int) -> mx.array:
     q, k, v, _, o = _attended(layer, call, h, mask, chunk)
     del q, k, v
     outs = []
-    for a, b in _spans(h.shape[1], chunk):
+    for a, b in spans(h.shape[1], chunk):
         with _chunk(layer, a, _Attn(o[:, :, a:b])):
             outs.append(call(h[:, a:b], mask))
         mx.eval(outs[-1])
@@ -177,7 +174,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
     tiled = attention.tiles_keys(n, how.sinks)
     try:
         # Q: each chunk's output from its rows of h and of o.
-        for a, b in _spans(n, chunk):
+        for a, b in spans(n, chunk):
             def q_part(x, oc, *p):
                 set_params(layer, names, p)
                 with _chunk(layer, a, _Attn(oc)):
@@ -204,7 +201,7 @@ def vjp(layer, call, h, mask, d_out, names: list[str], values: list, chunk: int,
         if trained and acc is not None:
             acc[trained[0]] = acc[trained[0]] + d_sinks[0]
         # P: each chunk's q, k, v from its rows of h.
-        for j, (a, b) in enumerate(_spans(n, chunk)):
+        for j, (a, b) in enumerate(spans(n, chunk)):
             def p_part(x, *p):
                 set_params(layer, names, p)
                 with _chunk(layer, a, _Attn()) as attn:
@@ -228,23 +225,34 @@ def usable(layer, mask) -> bool:
 
 
 def rowwise(layer, call, dim: int, dtype, masks=("causal",)) -> bool:
-    """Whether `layer` run through `forward` and `vjp` in chunks of 3 rows gives what
-    it gives on 6 rows whole, under each of `masks` (its output, its input gradient
-    and its trainable parameters' gradients)."""
+    """Whether `layer` may run rows apart (`refusal` has nothing against it)."""
+    return refusal(layer, call, dim, dtype, masks) is None
+
+
+def refusal(layer, call, dim: int, dtype, masks=("causal",)) -> str | None:
+    """Why `layer` run through `forward` and `vjp` in two chunks (its attention
+    backward in blocks of a third of them) does not give what it gives on
+    PROBE_ROWS rows whole under each of `masks` (its output, its input gradient and
+    its trainable parameters' gradients); None when it does."""
     key = mx.random.key(11)  # its own key: the caller's random stream is left alone
     k1, k2 = mx.random.split(key)
-    h = mx.random.normal((1, 6, dim), key=k1).astype(dtype)
-    g = mx.random.normal((1, 6, dim), key=k2).astype(dtype)
+    h = mx.random.normal((1, PROBE_ROWS, dim), key=k1).astype(dtype)
+    g = mx.random.normal((1, PROBE_ROWS, dim), key=k2).astype(dtype)
     names = [n for n, _ in tree_flatten(layer.trainable_parameters())]
     values = [v for _, v in tree_flatten(layer.trainable_parameters())]
     try:
         with attention.swapped_sdpa([layer], attention.block_mask_sdpa):
-            return all(_same_cut(layer, call, h, g, mask, names, values) for mask in masks)
-    except Exception:
-        return False
+            for mask in masks:
+                differs = _cut_differs(layer, call, h, g, mask, names, values)
+                if differs:
+                    return f"rows apart give another {differs} than the whole row"
+    except Exception as e:   # what raised, in one line: the device's words included
+        return "the row-wise probe raised " + " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    return None
 
 
-def _same_cut(layer, call, h, g, mask, names, values) -> bool:
+def _cut_differs(layer, call, h, g, mask, names, values) -> str | None:
+    """What of the layer's output and gradients differs cut from whole, or None."""
     def whole(x, *p):
         set_params(layer, names, p)
         return call(x, mask)
@@ -253,6 +261,11 @@ def _same_cut(layer, call, h, g, mask, names, values) -> bool:
         mx.eval(ref, rdh, rdp)
     finally:
         set_params(layer, names, values)
-    out = forward(layer, call, h, mask, 3)
-    dh, dp = vjp(layer, call, h, mask, g, names, values, 3, 2)
-    return all(same_cut(a, b) for a, b in zip([ref[0], rdh, *rdp], [out, dh, *dp]))
+    chunk = PROBE_ROWS // 2
+    out = forward(layer, call, h, mask, chunk)
+    dh, dp = vjp(layer, call, h, mask, g, names, values, chunk, PROBE_ROWS // 3)
+    for what, a, b in zip(["output", "input gradient", *names], [ref[0], rdh, *rdp],
+                          [out, dh, *dp]):
+        if not same_cut(a, b):
+            return what
+    return None

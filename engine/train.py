@@ -115,7 +115,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   trainable_params=n_trainable, batch_size=job.train.batch_size,
                   grad_accumulation=job.train.grad_accumulation, packed=pack,
                   pack_reason=pack_reason, side_by_side=side,
-                  rank=ring.rank if ring else None, ranks=ring.size if ring else 1))
+                  rank=ring.rank if ring else None, ranks=ring.size if ring else 1,
+                  whole_rows=parts.whole_rows or None))
 
     budget = job.memory.budget_gb
     # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).

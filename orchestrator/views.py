@@ -345,7 +345,9 @@ def engine_line(e: dict) -> str:
     if kind == "start":
         return (f"{when}   start: {e['train_rows']} rows, {e['mode']} segment_size "
                 f"{e['segment_size']}, {e['total_steps']} steps"
-                + (f", resumed at step {e['resumed_from']}" if e.get("resumed_from") else ""))
+                + (f", resumed at step {e['resumed_from']}" if e.get("resumed_from") else "")
+                + "".join(f"\n{when}   {cls} runs whole rows (more memory on long rows): {why}"
+                          for cls, why in (e.get("whole_rows") or {}).items()))
     if kind == "checkpoint":
         return f"{when}   checkpoint at step {e['step']} (shipped to the head)"
     if kind == "end":

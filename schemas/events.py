@@ -36,6 +36,9 @@ class Start(Event):
     side_by_side: bool = False     # whether rows not packed run side by side, padded
     rank: Optional[int] = None     # a job on several nodes (distributed.nodes): this process's
     ranks: int = 1                 # place in the ring, and how many there are
+    # layer classes that the row-wise probe kept whole (engine/rows.py), with why:
+    # on long rows their light parts hold whole-row arrays, so they need more memory
+    whole_rows: Optional[dict[str, str]] = None
 
 
 class Step(Event):

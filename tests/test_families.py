@@ -107,6 +107,11 @@ def test_family_trains_exactly_or_is_refused(family, monkeypatch, tmp_path):
         return
     # The planner's lists of row-wise and tiled families are the engine's verdicts.
     assert all(parts.rowwise) == (family in ROWWISE_FAMILIES), (family, parts.rowwise)
+    # and a probed layer class kept whole says why, in one line
+    probed = [not d and x is None for d, x in zip(
+        parts.donors, parts.layer_inputs(mx.array([[1]]), parts.embed(mx.array([[1]]))))]
+    assert bool(parts.whole_rows) == any(p and not r for p, r in zip(probed, parts.rowwise))
+    assert all(why and "\n" not in why for why in parts.whole_rows.values())
     _lora(model, family)
     n = check_length(getattr(model, "language_model", model)) + 2 * BLOCK + 3      # past every window, several blocks
     vocab = _vocab(model)

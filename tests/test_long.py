@@ -245,3 +245,33 @@ def test_lora_dropout_keeps_the_mlp_whole(tiny_models):
     loss, grads = loss_and_grads(model, ex, memory=StepMemory(segment_size=1, mlp_chunk=8))
     assert loss.item() == loss0.item()
     assert all(mx.array_equal(grads[k], ref[k]).item() for k in ref)
+
+
+def test_rows_go_in_even_pieces_never_a_short_tail():
+    from segctl.engine.layer import spans
+    assert spans(10, 64) == [(0, 10)]
+    assert spans(128, 64) == [(0, 64), (64, 128)]
+    got = spans(2 * 64 + 5, 64)
+    assert len(got) == 3 and got[0][0] == 0 and got[-1][1] == 133
+    assert all(b - a <= 64 and b - a >= 44 for a, b in got)
+    assert all(got[i][1] == got[i + 1][0] for i in range(2))
+
+
+class _Picky(_OneHead):
+    """Its forward fails on the probe's whole row, as a device's kernel may on a shape."""
+    def __call__(self, x, mask=None, cache=None):
+        if x.shape[1] > 100:
+            raise RuntimeError("kernel launch failed:\ninvalid argument")
+        return super().__call__(x, mask, cache)
+
+
+def test_a_refused_layer_says_why_in_one_line():
+    from segctl.engine.rows import refusal
+    ok = _OneHead(16)
+    assert refusal(ok, lambda h, m: ok(h, m), 16, mx.float32) is None
+    mixer = _OneHead(16, lambda y: mx.cumsum(y, axis=1))
+    assert refusal(mixer, lambda h, m: mixer(h, m), 16, mx.float32) == \
+        "rows apart give another output than the whole row"
+    picky = _Picky(16)
+    assert refusal(picky, lambda h, m: picky(h, m), 16, mx.float32) == \
+        "the row-wise probe raised RuntimeError: kernel launch failed: invalid argument"

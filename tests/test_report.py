@@ -313,3 +313,13 @@ def test_three_hundred_trials_of_a_thousand_points_draw(swept, tmp_path):
     assert '<span id="trial-count">300</span>' in dom
     assert dom.count("<path") > 2 * 300   # every trial's loss line (raw and smoothed)
     assert seconds < 120, seconds
+
+
+def test_the_start_line_names_the_layers_kept_whole():
+    e = dict(event="start", time=0, train_rows=3, mode="segmented", segment_size=1,
+             total_steps=2, whole_rows={"Block": "the row-wise probe raised X: y"})
+    first, second = views.engine_line(e).splitlines()
+    assert first.endswith("start: 3 rows, segmented segment_size 1, 2 steps")
+    assert second.endswith("Block runs whole rows (more memory on long rows): "
+                           "the row-wise probe raised X: y")
+    assert "\n" not in views.engine_line(dict(e, whole_rows=None))
