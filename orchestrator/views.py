@@ -210,6 +210,46 @@ def nodes_table(nodes: list[dict]) -> Table:
     return table
 
 
+def check_nodes_table(report: dict) -> Table:
+    """`segctl cluster check`'s nodes, the head first: a version or token unlike
+    the head's is marked red."""
+    from segctl.node.link import PACKAGES
+    table = Table(title="cluster check: nodes", title_justify="left")
+    for col in ("node", "ssh", *PACKAGES, "token", "memory GB", "chip", "address"):
+        table.add_column(col)
+    head = report["head"]
+
+    def cell(value, same: bool) -> str:
+        return str(value or "-") if same else f"[red]{value or 'none'}[/red]"
+
+    for n in [dict(head, name="(head)", target="this machine", reachable=True)] + report["nodes"]:
+        if not n["reachable"]:
+            table.add_row(n["name"], f"[red]no: {n['target']}[/red]", *[""] * (len(PACKAGES) + 4))
+            continue
+        table.add_row(n["name"], "-" if n["name"] == "(head)" else "yes",
+                      *[cell(n["versions"].get(p), n["versions"].get(p) == head["versions"].get(p))
+                        for p in PACKAGES],
+                      cell(n["token"], n["token"] == head["token"] and n["token"] is not None),
+                      f"{n['memory_gb']:g}", n["chip"], n.get("address") or "-")
+    return table
+
+
+def check_pairs_table(pairs: list[dict]) -> Table:
+    """`segctl cluster check`'s links, a pair a row: a sending to b's fleet address."""
+    table = Table(title="cluster check: links (a -> b's fleet address)", title_justify="left")
+    for col in ("a -> b", "address", "leaves a by", "latency ms", "MB/s", "note"):
+        table.add_column(col)
+    for p in pairs:
+        if p.get("error"):
+            table.add_row(f"{p['a']} -> {p['b']}", p["address"] or "-", "", "", "",
+                          f"[red]{p['error']}[/red]")
+            continue
+        table.add_row(f"{p['a']} -> {p['b']}", p["address"], f"{p['interface']} ({p['kind']})",
+                      f"{p['rtt_ms']:.3f}", f"{p['mb_per_s']:.0f}",
+                      f"[yellow]{p['faster']} is faster[/yellow]" if p.get("faster") else "")
+    return table
+
+
 def ports_table(nodes: list[dict]) -> Table:
     """Per Ray node of `segctl cluster status`: the TCP ports its processes listen
     on, grouped by process and the address each is bound to."""

@@ -114,6 +114,34 @@ def cluster_status(cluster_file, as_json: bool):
     console.print(views.ports_table(nodes))
 
 
+@cluster.command("check")
+@_cluster_arg
+@click.option("--json", "as_json", is_flag=True, help="print the whole report as JSON")
+@click.option("--mb", type=click.IntRange(1, 4096), default=64, show_default=True,
+              help="MB each pair's bandwidth test sends")
+def cluster_check(cluster_file, as_json: bool, mb: int):
+    """Before training on a fleet: is every node reachable over ssh, on the head's
+    segctl / mlx / mlx-lm / Ray versions and token? Per node its memory and chip;
+    per pair of nodes the latency and bandwidth of the link a ring of theirs would
+    use (to the address a node joins the fleet with), the interface it leaves by,
+    and a warning where a faster one is up (Wi-Fi while a Thunderbolt bridge is).
+    Exit 1 when a problem is found, 2 for a bad cluster file."""
+    from segctl.orchestrator.cluster_check import check
+    report = check(_cluster(cluster_file), nbytes=mb << 20)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        console = views.console()
+        console.print(views.check_nodes_table(report))
+        if report["pairs"]:
+            console.print(views.check_pairs_table(report["pairs"]))
+        for line in report["problems"]:
+            click.echo(one_line(f"segctl: problem: {line}"), err=True)
+        if not report["problems"]:
+            click.echo(f"{len(report['nodes'])} node(s) checked: no problem found")
+    sys.exit(1 if report["problems"] else 0)
+
+
 @main.group()
 def node():
     """Run on each Mac of a fleet: join it to the head (wraps `ray start`)."""
@@ -163,6 +191,50 @@ def node_start(is_head, address, name, memory_gb, chip, labels, max_trials, port
     except (RuntimeError, OSError, TimeoutError, ValueError) as e:
         _fail(str(e).splitlines()[0], EXIT_INTERNAL)
     click.echo(json.dumps(info))
+
+
+@node.command("facts")
+@click.option("--head", metavar="ADDRESS", default=None,
+              help="the head's address (the node's own is the one on the route to it)")
+def node_facts(head):
+    """Print this machine's facts as JSON for `segctl cluster check`: versions,
+    chip, memory, the cluster token's fingerprint, interfaces, fleet address."""
+    from segctl.node import link
+    click.echo(json.dumps(link.facts(head)))
+
+
+@node.command("link-serve")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="TCP port to listen on (0: a free one)")
+@click.option("--timeout", type=click.FloatRange(1, 3600), default=60, show_default=True,
+              help="seconds to wait for the tester and for each of its messages")
+def node_link_serve(port, timeout):
+    """Answer one `segctl node link-test` (for `segctl cluster check`): prints the
+    port it listens on, then serves one tester and exits."""
+    from segctl.node import link
+    try:
+        # flushed at once: over ssh stdout is a pipe, and the tester waits for the port
+        link.serve(port, timeout, ready=lambda p: print(p, flush=True))
+    except OSError as e:
+        _fail(f"link-serve: {e}", EXIT_INTERNAL)
+
+
+@node.command("link-test")
+@click.option("--to", "to", required=True, metavar="HOST:PORT",
+              help="a `segctl node link-serve` of another node")
+@click.option("--bytes", "nbytes", type=click.IntRange(1, 1 << 32), default=64 << 20,
+              show_default=True, help="bytes sent for the bandwidth")
+def node_link_test(to, nbytes):
+    """Time a link to a `segctl node link-serve`: the median round trip of one
+    byte and the bandwidth of --bytes sent one way, as JSON."""
+    from segctl.node import link
+    host, sep, port = to.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        _fail(f"--to {to!r}: expected HOST:PORT")
+    try:
+        click.echo(json.dumps(link.measure(host.strip("[]"), int(port), nbytes)))
+    except (OSError, ConnectionError) as e:
+        _fail(f"link-test {to}: {e}", EXIT_INTERNAL)
 
 
 @node.command("stop")

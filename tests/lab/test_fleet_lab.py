@@ -111,6 +111,36 @@ def test_cluster_up_from_h1_joins_every_node_over_ssh(fleet):
     assert all(d["alive"] and d["trial"] is None for d in nodes.values())
 
 
+def test_cluster_check_from_h1_over_ssh(fleet):
+    """Every node reachable, on the head's versions and token, and each pair's
+    link timed over the address a ring of theirs would use; then an outsider
+    (h5: no token) and a host that is not there, each named."""
+    lab = fleet["lab"]
+    proc = run(lab, "h1", "segctl cluster check cluster.yaml --json --mb 8", timeout=240)
+    fleet["json"].append(proc.stdout)
+    report = json.loads(proc.stdout)
+    assert report["problems"] == []
+    assert {n["name"]: (n["reachable"], n["address"]) for n in report["nodes"]} == {
+        "h2": (True, "198.18.0.12"), "h3": (True, "198.18.0.13"), "h4": (True, "198.18.0.14")}
+    assert all(n["token"] == report["head"]["token"] is not None and
+               n["versions"] == report["head"]["versions"] for n in report["nodes"])
+    assert [(p["a"], p["b"], p["interface"], p["kind"]) for p in report["pairs"]] == [
+        ("h2", "h3", "eth0", "ethernet"), ("h2", "h4", "eth0", "ethernet"),
+        ("h3", "h4", "eth0", "ethernet")]
+    assert all(p["bytes"] == 8 << 20 and p["mb_per_s"] > 0 and p["rtt_ms"] > 0 and
+               not p["faster"] for p in report["pairs"])
+    wider = CLUSTER + ("  - name: h5\n    host: h5\n    memory_gb: 2\n"
+                       "  - name: ghost\n    host: 198.18.0.99\n    memory_gb: 2\n")
+    proc = run(lab, "h1", f"printf %s {shlex.quote(wider)} > wider.yaml && "
+                          "segctl cluster check wider.yaml --mb 1", timeout=240, ok=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    problems = [ln for ln in proc.stderr.splitlines() if ln.startswith("segctl: problem: ")]
+    assert len(problems) == 2, proc.stderr
+    assert problems[0].startswith("segctl: problem: ghost: not reachable over ssh (198.18.0.99): ")
+    assert problems[1] == "segctl: problem: h5: no cluster token"
+    assert "h4 -> h5" in proc.stdout
+
+
 def test_a_sweep_spreads_over_three_hosts_that_fetch_the_model_from_the_head(fleet):
     lab = fleet["lab"]
     assert fleet["caches_before"] == {n: False for n in NODES}
