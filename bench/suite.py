@@ -174,6 +174,10 @@ PLANS = {
                           dict(GEMMA4_E2B, seq=65536, **_seg(4096, offload=True), steps=1),
                           dict(GEMMA4_E2B, seq=32768, **MLX_CKPT, steps=1),
                           dict(GPT_OSS_20B, seq=32768, **MLX_CKPT)],
+    # Which layers run rows apart on this device (a row's `rows`, `tokenwise`,
+    # `whole_rows`): gpt-oss's on CUDA once ran whole. Two layers, a minute.
+    "gpu-rows-probe": [dict(GPT_OSS_20B, layers=2, seq=8192,
+                            **dict(_seg(4096, offload=True), attn_block=512))],
     "cpu-orpo": [dict(CPU, seq=1024, **c) for c in ORPO_COMPARE + ORPO_PLAIN],
     "cpu-gemma4": [dict(GEMMA4_CPU, seq=1024, **c) for c in GEMMA4_COMPARE],
     # (mlx-lm-lora plain and segment size 2 two-branch are in h200-orpo-v0-densemask.jsonl)
