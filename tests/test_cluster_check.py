@@ -140,6 +140,11 @@ def test_cluster_check_on_two_local_nodes(tmp_path):
                                    "`segctl cluster up` makes one")
 
 
-def test_a_link_test_of_nothing_is_one_line():
+def test_bad_input_is_one_line(tmp_path):
     proc = segctl("node", "link-test", "--to", "nowhere")
     assert_one_line_error(proc, "--to 'nowhere': expected HOST:PORT")
+    proc = segctl("cluster", "check", cwd=tmp_path, env={"SEGCTL_CLUSTER": None})
+    assert_one_line_error(proc, "cluster check needs a cluster file")
+    (tmp_path / "c.yaml").write_text("nodes:\n  - {name: a, memory_gb: 2}\n")
+    proc = segctl("cluster", "check", "c.yaml", cwd=tmp_path)
+    assert_one_line_error(proc, "c.yaml")

@@ -127,7 +127,10 @@ def cluster_check(cluster_file, as_json: bool, mb: int):
     and a warning where a faster one is up (Wi-Fi while a Thunderbolt bridge is).
     Exit 1 when a problem is found, 2 for a bad cluster file."""
     from segctl.orchestrator.cluster_check import check
-    report = check(_cluster(cluster_file), nbytes=mb << 20)
+    spec = _cluster(cluster_file)
+    if spec is None:
+        _fail("cluster check needs a cluster file: give CLUSTER.yaml or set $SEGCTL_CLUSTER")
+    report = check(spec, nbytes=mb << 20)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
