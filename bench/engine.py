@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from itertools import accumulate
 
 import segctl  # noqa: F401 (first: it sizes MLX's CUDA attention caches before MLX loads)
 
@@ -146,9 +147,7 @@ def run(args) -> dict:
     ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
     prompt_len = args.seq // 2
     opt = make_optimizer(1e-5)
-    phases: list[tuple[str, float]] = []
-    phase_peaks: list[float] = []   # each phase's own peak, GB
-    so_far = [0.0]                  # the step's peak up to the last phase, GB
+    phases: list[tuple[str, float]] = []   # (label, that phase's own peak GB), the last step's
     clock: list[float] = []  # each phase's end, seconds into the step (the last step's)
 
     p, r = args.seq // 2, args.seq - args.seq // 2
@@ -174,17 +173,15 @@ def run(args) -> dict:
         def do_step():
             def on_phase(label):
                 # The peak is reset at each phase's end, so each phase's own peak is
-                # seen (which layer's backward, which part of the step, is the peak);
-                # `phases` keeps the step's peak so far, as before.
+                # seen (which layer's backward, which part of the step, is the peak).
                 own = mx.get_peak_memory() / 1e9
                 mx.reset_peak_memory()
-                so_far[0] = max(so_far[0], own)
-                phases.append((label, so_far[0]))
-                phase_peaks.append(round(own, 4))
+                phases.append((label, own))
                 clock.append(time.perf_counter())
                 # also as it happens, so a step cut short still shows how far it got
                 print(f"phase {label} {clock[-1] - starts:.1f}s peak {own:.2f} GB "
-                      f"(step {so_far[0]:.2f}) active {mx.get_active_memory() / 1e9:.2f} GB",
+                      f"(step {max(p for _, p in phases):.2f}) "
+                      f"active {mx.get_active_memory() / 1e9:.2f} GB",
                       file=sys.stderr, flush=True)
             loss, grads = loss_and_grads(model, ex,
                                          memory=StepMemory(segment_size=seg,
@@ -202,15 +199,13 @@ def run(args) -> dict:
     times, peaks, losses = [], [], []
     for _ in range(args.steps):
         phases.clear()
-        phase_peaks.clear()
-        so_far[0] = 0.0
         clock.clear()
         mx.clear_cache()
         mx.reset_peak_memory()
         starts = time.perf_counter()
         loss = do_step()
         times.append(time.perf_counter() - starts)
-        peaks.append(max(so_far[0], mx.get_peak_memory() / 1e9))
+        peaks.append(max([mx.get_peak_memory() / 1e9, *(p for _, p in phases)]))
         losses.append(loss.item())
     row = {
         "impl": args.impl, "method": args.method, "mode": args.mode,
@@ -248,10 +243,12 @@ def run(args) -> dict:
     }
     row["predicted_gb"] = planned_gb(model, row, args) if args.impl == "segctl" else None
     if args.phases:
-        row["phases"] = [[label, round(p, 4)] for label, p in phases]
-        row["phase_peaks"] = phase_peaks
-        # where the last step's time went: forward, head, backward, the rest (update)
+        # `phases`: the step's peak up to each phase's end; `phase_peaks`: its own
         labels = [label for label, _ in phases]
+        row["phases"] = [[label, round(p, 4)]
+                         for label, p in zip(labels, accumulate((p for _, p in phases), max))]
+        row["phase_peaks"] = [round(p, 4) for _, p in phases]
+        # where the last step's time went: forward, head, backward, the rest (update)
         if clock and "head" in labels:
             h = labels.index("head")
             row["phase_s"] = {"fwd": round(clock[h - 1] - starts, 3),

@@ -38,6 +38,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from segctl.schemas.limits import error_line
+
 from . import attention
 from .layer import PROBE_ROWS, _dropout_off, same_cut, set_params, spans
 
@@ -247,7 +249,7 @@ def refusal(layer, call, dim: int, dtype, masks=("causal",)) -> str | None:
                 if differs:
                     return f"rows apart give another {differs} than the whole row"
     except Exception as e:   # what raised, in one line: the device's words included
-        return "the row-wise probe raised " + " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        return "the row-wise probe raised " + error_line(e, 200)
     return None
 
 

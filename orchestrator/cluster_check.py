@@ -20,8 +20,9 @@ from itertools import combinations
 from pathlib import Path
 
 from segctl.node import link
+from segctl.schemas.limits import error_line
 
-from .fleet import SSH_TIMEOUT_S, _ssh_argv
+from .fleet import SSH_TIMEOUT_S, ssh_argv
 
 
 def check(spec, *, nbytes: int = link.LINK_BYTES, ssh=subprocess.run,
@@ -39,7 +40,7 @@ def check(spec, *, nbytes: int = link.LINK_BYTES, ssh=subprocess.run,
             row = json.loads(got.stdout) if got.returncode == 0 else None
             why = None if row else _last_line(got.stderr or got.stdout, got.returncode)
         except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
-            row, why = None, " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            row, why = None, error_line(e, 200)
         nodes.append(dict(row or {}, name=n.name, target=_target(n), reachable=row is not None,
                           **({"error": why} if why else {})))
     pairs = [_pair(spec, a, b, nbytes, ssh, popen)
@@ -91,7 +92,7 @@ def _pair(spec, a: dict, b: dict, nbytes: int, ssh, popen) -> dict:
         server = popen(_on(by_name[b["name"]], ["node", "link-serve", "--timeout", "60"]),
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as e:
-        return dict(row, error=f"{type(e).__name__}: {e}")
+        return dict(row, error=error_line(e, 200))
     try:
         port = (server.stdout.readline() if server.stdout else "").strip()
         if not port.isdigit():
@@ -125,7 +126,7 @@ def _on(node, args: list[str]) -> list[str]:
     interpreter and code this check runs on."""
     if node.local:
         return [sys.executable, "-m", "segctl.orchestrator.cli", *args]
-    return _ssh_argv(node.host or node.name, ["segctl", *args])
+    return ssh_argv(node.host or node.name, ["segctl", *args])
 
 
 def _target(node) -> str:

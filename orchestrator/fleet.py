@@ -313,14 +313,14 @@ def ssh_start_command(node, join: str) -> list[str]:
         remote += ["--chip", node.chip]
     for k, v in (node.labels or {}).items():
         remote += ["--label", f"{k}={v}"]
-    return _ssh_argv(node.host or node.name, remote)
+    return ssh_argv(node.host or node.name, remote)
 
 
 def ssh_stop_command(host: str) -> list[str]:
-    return _ssh_argv(host, ["segctl", "node", "stop"])
+    return ssh_argv(host, ["segctl", "node", "stop"])
 
 
-def _ssh_argv(host: str, remote: list[str]) -> list[str]:
+def ssh_argv(host: str, remote: list[str]) -> list[str]:
     """`ssh ... -- HOST 'CMD'`: after `--` ssh never reads HOST as an option (a
     host "-oProxyCommand=..." is a host name, and not one that resolves), and
     the remote shell gets one line in which every argument is quoted, so a

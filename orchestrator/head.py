@@ -51,6 +51,7 @@ import ray
 
 from segctl.schemas.defaults import TELEMETRY_CALLS_PER_S, TELEMETRY_FLUSH_S
 from segctl.schemas.job import JobSpec
+from segctl.schemas.limits import error_line
 from segctl.schemas.private import private_dir
 from segctl.schemas.records import (
     TERMINAL,
@@ -65,7 +66,7 @@ from segctl.schemas.records import (
 
 from . import outcomes, placement, probing
 from .api import HeadAPI
-from .intake import error_line, read_input
+from .intake import read_input
 from .memory_settings import Tuned, resolved
 from .placement_turn import PlacementTurn
 from .snapshot import Trial

@@ -14,7 +14,14 @@ from pydantic import ValidationError
 
 from segctl.schemas.atomic import write_atomic
 from segctl.schemas.cluster import PlannerSpec
-from segctl.schemas.limits import MAX_NAME_CHARS, MAX_SWEEP_NAME_CHARS, NAME_PATTERN, one_line, path_problem
+from segctl.schemas.limits import (
+    MAX_NAME_CHARS,
+    MAX_SWEEP_NAME_CHARS,
+    NAME_PATTERN,
+    error_line,
+    one_line,
+    path_problem,
+)
 from segctl.schemas.private import private_dir
 from segctl.schemas.sweep import check_expanded
 
@@ -128,7 +135,3 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def error_line(e: BaseException, limit: int = 300) -> str:
-    """An unexpected error as one short line: its type and text, whitespace folded."""
-    text = " ".join(f"{type(e).__name__}: {e}".split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -273,6 +273,12 @@ def one_line(text: str) -> str:
     return text
 
 
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """An unexpected error as one short line: its type and text, whitespace folded."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _shown(value, limit: int = 80) -> str:
     """A user's value in a message: repr, cut to `limit` characters."""
     r = repr(value)
