@@ -14,6 +14,17 @@ loopback TCP (the ring a lab of Macs forms over its network, without the wire):
   of the step the all_sum took;
 - scaling: the model below for an 8B 4-bit LoRA job on 2, 4 and 8 Macs.
 
+    python -m bench.distributed --lab [--ranks 2,4] [--with-loopback] > rows.jsonl
+
+measures the allreduce rows between hosts of a lab (segctl.lab: network
+namespaces of this machine joined by a bridge, 198.18.0.11, .12, ...): one rank
+per host, each listening on its host's address, so the ring's bytes cross a veth
+pair and the bridge (kernel TCP between namespaces, not a wire). The lab has as
+many hosts as the largest ring, is brought up for the run and always taken down
+after it (an error, Ctrl-C or SIGTERM too); a lab already up on the machine is
+left alone and the run skipped (exit 3). --with-loopback measures each ring over
+loopback too, right after the lab's, for a ratio on a shared, noisy machine.
+
 The model: a ring all-reduce of S bytes over N ranks sends 2 (N - 1) / N x S
 bytes per rank over its link, in 2 (N - 1) messages:
 
@@ -35,6 +46,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -42,6 +54,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from segctl.lab import Host, Lab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,6 +72,9 @@ RANK = 8
 LINKS = {"10GbE": 1.25e9, "Thunderbolt 4": 5e9, "Thunderbolt 5": 10e9}
 HOP_S = 1e-4
 H200_8B_STEP_S = {8192: 4.6341, 32768: 23.1998}   # bench/results/h200-long.jsonl, segctl, in memory
+# --lab's own folder (its hosts' homes, logs and lab.json), not the default lab's,
+# whose last hosts' folders (kept for post-mortems) an `up` there would replace
+LAB_ROOT = Path("/var/lib/segctl-lab-bench")
 
 
 def lora_floats(name: str) -> int:
@@ -90,20 +109,53 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def _ring(argv_of, n: int, folder: Path, timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """argv_of(rank) run as the n ranks of one ring over loopback, all at once."""
-    hostfile = folder / f"hosts-{n}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen(argv_of(r), env={**env, "MLX_RANK": str(r)}, cwd=ROOT,
+def ring_hosts(addresses: list[str], ports: list[int]) -> list[list[str]]:
+    """An MLX ring's host file: rank r listens on addresses[r]:ports[r]."""
+    return [[f"{a}:{p}"] for a, p in zip(addresses, ports, strict=True)]
+
+
+def lab_rank_argvs(hosts: list[Host], argv_of: Callable[[int], list[str]], hostfile: str) -> list[list[str]]:
+    """argv_of(r) run in hosts[r] (its network, filesystem view and processes), as
+    rank r of a ring whose host file is at `hostfile` as the hosts see it."""
+    from segctl import lab
+    env = {"PYTHONPATH": str(ROOT), "MLX_HOSTFILE": hostfile}
+    return [lab.inside(h, argv_of(r), {**env, "MLX_RANK": str(r)}) for r, h in enumerate(hosts)]
+
+
+def _ring(argv_of: Callable[[int], list[str]], n: int, folder: Path, timeout: float = 600,
+          lab: Lab | None = None) -> list[subprocess.CompletedProcess]:
+    """argv_of(rank) run as the n ranks of one ring, all at once: processes of this
+    machine over loopback, or (`lab`) one in each of the lab's first n hosts, over
+    their addresses. A rank that fails ends the run (the others are killed)."""
+    name = f"hosts-{n}.json"
+    ports = free_ports(n)   # a lab host's namespace is fresh: these are free there too
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if lab is None:
+        hostfile = folder / name
+        hostfile.write_text(json.dumps(ring_hosts(["127.0.0.1"] * n, ports)))
+        argvs = [argv_of(r) for r in range(n)]
+        env["MLX_HOSTFILE"] = str(hostfile)
+    else:
+        hosts = lab.hosts[:n]
+        text = json.dumps(ring_hosts([h.address for h in hosts], ports))
+        for h in hosts:   # ROOT/hI/tmp: the host's own /tmp
+            (h.home.parent / "tmp" / name).write_text(text)
+        argvs = lab_rank_argvs(hosts, argv_of, f"/tmp/{name}")
+    procs = [subprocess.Popen(argv, env={**env, "MLX_RANK": str(r)}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(n)]
+             for r, argv in enumerate(argvs)]
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        if p.returncode:
-            sys.exit(f"bench.distributed: a rank failed: {stderr.strip().splitlines()[-1:]}")
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            if p.returncode:
+                sys.exit(f"bench.distributed: a rank failed: {stderr.strip().splitlines()[-1:]}")
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return out
 
 
@@ -124,19 +176,84 @@ def rank_allreduce(floats: int) -> None:
         print(json.dumps({"seconds": statistics.median(times)}))
 
 
-def bench_allreduce(ranks: list[int], folder: Path) -> None:
+def allreduce_row(name: str, n: int, lab: Lab | None, folder: Path) -> dict:
+    """One allreduce row: a ring of n ranks all_sum-ing model `name`'s gradient,
+    over loopback or between the hosts of `lab`."""
+    floats = lora_floats(name)
+    [first, *_] = _ring(lambda r: [sys.executable, "-m", "bench.distributed", "--rank-allreduce",
+                                   str(floats)], n, folder, lab=lab)
+    s = json.loads(first.stdout.strip().splitlines()[-1])["seconds"]
+    nbytes = 4 * floats
+    out = dict(bench="allreduce", model=name, ranks=n, floats=floats, bytes=nbytes,
+               seconds=round(s, 5), bus_gbps=round(2 * (n - 1) / n * nbytes / s / 1e9, 3))
+    if lab is None:
+        out.update(link="loopback", where="loopback")
+    else:
+        out.update(link="veth", where="lab", hosts=[h.address for h in lab.hosts[:n]])
+    if n > (os.cpu_count() or 1):
+        out["note"] = f"{n} ranks on {os.cpu_count()} cores: measures the CPU, not the link"
+    return out
+
+
+def bench_allreduce(ranks: list[int], folder: Path, lab: Lab | None = None,
+                    with_loopback: bool = False) -> None:
+    """The allreduce rows: over loopback, or between the hosts of `lab` (then,
+    with_loopback, each ring over loopback too, right after the lab's)."""
     for name in SHAPES:
-        floats = lora_floats(name)
         for n in ranks:
             if n == 1:
                 continue
-            [first, *_] = _ring(lambda r: [sys.executable, "-m", "bench.distributed", "--rank-allreduce",
-                                           str(floats)], n, folder)
-            s = json.loads(first.stdout.strip().splitlines()[-1])["seconds"]
-            nbytes = 4 * floats
-            row(bench="allreduce", model=name, ranks=n, floats=floats, bytes=nbytes,
-                seconds=round(s, 5), bus_gbps=round(2 * (n - 1) / n * nbytes / s / 1e9, 3),
-                link="loopback")
+            row(**allreduce_row(name, n, lab, folder))
+            if lab is not None and with_loopback:
+                row(**allreduce_row(name, n, None, folder))
+
+
+class LabBusy(Exception):
+    """A lab is already up on this machine: not ours to take down."""
+
+
+def lab_busy(root: Path) -> str | None:
+    """Why a lab cannot be brought up for the bench now: one is up (recorded at the
+    default root or at `root`, with its namespaces or processes still there)."""
+    from segctl import lab
+    for where in dict.fromkeys([lab.LAB_ROOT, root]):
+        there = lab.load(where)
+        if there and any((lab.NETNS_DIR / h.netns).exists() or lab.pids(h) for h in there.hosts):
+            return f"a lab of {len(there.hosts)} hosts is up at {where}"
+    return None
+
+
+def bench_lab(ranks: list[int], folder: Path, root: Path, with_loopback: bool) -> None:
+    """The allreduce rows between lab hosts: a lab of max(ranks) hosts brought up
+    at `root`, measured, and taken down whatever happens (SIGTERM too)."""
+    from segctl import lab
+    busy = lab_busy(root)
+    if busy:
+        raise LabBusy(busy)
+    reason = lab.why_not()
+    if reason:
+        sys.exit(f"bench.distributed: no lab here: {reason}")
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        try:
+            made = lab.up(max(ranks), root)   # rolls itself back if it fails half-way
+        except lab.LabError as e:
+            if "already" in str(e):           # another lab (another root) holds the machine
+                raise LabBusy(str(e)) from None
+            raise
+        try:
+            print(f"bench.distributed: lab of {len(made.hosts)} hosts up at {made.root}",
+                  file=sys.stderr, flush=True)
+            bench_allreduce(ranks, folder, made, with_loopback)
+        finally:
+            lab.down(made.root)
+            print("bench.distributed: lab down", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def bench_step(ranks: list[int], iters: int, folder: Path) -> None:
@@ -211,8 +328,26 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="1,2,4", help="ring sizes to measure (default 1,2,4)")
     ap.add_argument("--iters", type=int, default=6, help="steps of the demo job per ring size")
+    ap.add_argument("--lab", action="store_true",
+                    help="the allreduce rows between the hosts of a lab (one rank per host) only")
+    ap.add_argument("--with-loopback", action="store_true",
+                    help="with --lab: each ring over loopback too, right after the lab's")
+    ap.add_argument("--lab-root", type=Path, default=LAB_ROOT,
+                    help=f"with --lab: the lab's folder (default {LAB_ROOT})")
     a = ap.parse_args(argv)
     ranks = [int(x) for x in a.ranks.split(",")]
+    if a.lab:
+        if max(ranks) < 2:
+            ap.error("--lab needs a ring of 2 ranks or more")
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                bench_lab(ranks, Path(d), a.lab_root, a.with_loopback)
+            except LabBusy as e:
+                print(f"bench.distributed: skipped: {e}; left as it is", file=sys.stderr)
+                sys.exit(3)
+            except KeyboardInterrupt:   # Ctrl-C or SIGTERM: the lab is down by now
+                sys.exit("bench.distributed: interrupted")
+        return
     with tempfile.TemporaryDirectory() as d:
         bench_allreduce(ranks, Path(d))
         bench_step(ranks, a.iters, Path(d))

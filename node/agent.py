@@ -21,6 +21,7 @@ from segctl.schemas.private import private_dir
 from segctl.schemas.records import AttemptResult, AttemptSpec, ProbeSpec
 
 from .attempt import Running, abandoned, run_attempt
+from .link import ring_endpoint
 from .models import local_model
 from .tune_runner import run_probes
 
@@ -75,6 +76,10 @@ class NodeAgent:
         finally:
             with self.lock:
                 self.running.pop(spec.attempt, None)
+
+    def ring_endpoint(self, interface: str | None) -> str:
+        """Where this node's rank of a job on several nodes will listen (link.ring_endpoint)."""
+        return ring_endpoint(interface, ray.util.get_node_ip_address())
 
     def probe(self, tune: str, spec: ProbeSpec) -> dict:
         """Measure a tune's points here; each one goes to the head as it lands."""

@@ -98,8 +98,8 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
     # Tokenized data sets outlive the attempt: the node's next trial of the same
     # data and model reads them instead of tokenizing again (engine/data.py).
     started = start_worker([str(folder / "job.json")] + (["--resume"] if resume else [])
-                           + ["--data-cache", str(private_dir(work / DATA_CACHE))], folder,
-                           running, python)
+                           + ["--data-cache", str(private_dir(work / DATA_CACHE))]
+                           + _ring_args(spec, folder), folder, running, python)
     if started is None:
         return _ended(folder, AttemptResult(attempt=spec.attempt, outcome="cancelled",
                                             message="cancelled"))
@@ -124,7 +124,7 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
             event = json.loads(raw)
         except ValueError:
             continue  # not one of ours (a library printing to stdout)
-        event["seq"] = seq
+        event["seq"] = _seq(seq, spec)
         seq += 1
         batch.append(event)
         kind = event.get("event")
@@ -157,6 +157,8 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
                   ended=ended)
     if running.cancelled:
         outcome, message = "cancelled", "cancelled"
+    elif code == ev.EXIT_OK and end is not None and spec.rank > 0:
+        outcome, message = "succeeded", ""   # rank 0 alone writes the adapter
     elif code == ev.EXIT_OK and end is not None:
         outcome, message = "succeeded", ""
         adapter = _read_files(out, ("adapters.safetensors", "adapter_config.json"))
@@ -167,7 +169,7 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
         # what leaves this node, by digest, in the attempt's own telemetry: the head's
         # copy (`segctl gather`) can be checked against it
         digest = lambda files: {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
-        send_events([{"event": "adapter", "seq": seq, "time": time.time(),
+        send_events([{"event": "adapter", "seq": _seq(seq, spec), "time": time.time(),
                       "sha256": digest(adapter), **({"best_sha256": digest(best)} if best else {})}])
         result.update(final_loss=end.get("final_loss"), val_loss=end.get("val_loss"),
                       adapter=adapter, best_adapter=best, best_step=end.get("best_step"),
@@ -189,6 +191,22 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
         outcome = "failed"
         message = (err["message"] if err else _last(stderr)) or f"engine exited with {code}"
     return _ended(folder, AttemptResult(outcome=outcome, message=message, **result))
+
+
+def _ring_args(spec: AttemptSpec, folder: Path) -> list[str]:
+    """The worker's arguments for one rank of a job on several nodes: its rank and
+    MLX's hostfile (every rank's host:port), written in the attempt's folder."""
+    if not spec.ring:
+        return []
+    private_file(folder / "hostfile.json", json.dumps([[a] for a in spec.ring]).encode())
+    return ["--ring", str(spec.rank), str(folder / "hostfile.json")]
+
+
+def _seq(n: int, spec: AttemptSpec) -> int:
+    """The head's number for this attempt's `n`th event: the ranks of a job on
+    several nodes send theirs to one attempt, each its own residue mod the ranks
+    (the head keys events by attempt and seq, and a re-sent batch is known by it)."""
+    return n * max(len(spec.ring), 1) + spec.rank
 
 
 def _ended(folder: Path, result: AttemptResult) -> AttemptResult:

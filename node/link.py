@@ -217,3 +217,22 @@ def _take(conn: socket.socket, n: int) -> bytes:
             return b""
         got += part
     return got
+
+
+def ring_endpoint(interface: str | None, fleet_address: str, ifaces=None) -> str:
+    """Where this node's rank of a job on several nodes listens: "address:port", a
+    port free now, on the address of `interface` (distributed.interface) or, without
+    one, the address the node joined the fleet with. ValueError (one line) when this
+    node has no such interface with an IPv4 address."""
+    address = fleet_address
+    if interface:
+        ifaces = interfaces() if ifaces is None else ifaces
+        found = next((i for i in ifaces if i["name"] == interface), None)
+        if found is None:
+            have = ", ".join(sorted(i["name"] for i in ifaces)) or "none"
+            raise ValueError(f"distributed.interface: {interface}: {socket.gethostname()} has no "
+                             f"such interface with an IPv4 address (it has: {have})")
+        address = found["addresses"][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return f"{address}:{s.getsockname()[1]}"

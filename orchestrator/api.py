@@ -59,9 +59,10 @@ class HeadAPI(ControllerBase):
         """Ask the agents running trial `tid`'s attempts to end them (each comes back
         through `finish`, which finds its trial terminal already)."""
         for a in self.state.open_attempts(tid):
-            agent = self.agents.get(a["node"])
-            if agent is not None:
-                agent.cancel.remote(a["id"])
+            for node in a["node"].split(","):   # an attempt on several nodes: each rank
+                agent = self.agents.get(node)
+                if agent is not None:
+                    agent.cancel.remote(a["id"])
 
     def resume(self, sid: str) -> dict:
         with self.mu:
@@ -150,7 +151,10 @@ class HeadAPI(ControllerBase):
         if evals:
             with self.mu:
                 self.guarded(f"attempt {aid}: asha at its evals", self.judge, a, evals)
-        self.guarded(f"attempt {aid}: its trackers", self.trackers.feed, a, events,
+        # a job on several nodes: rank 0's events speak for the run (the others' steps
+        # are the same step's), trackers see each once
+        mine = [e for e in events if not e.get("rank")]
+        self.guarded(f"attempt {aid}: its trackers", self.trackers.feed, a, mine,
                      lambda: self.state.trial(a["trial"]))
         return new
 

@@ -86,10 +86,20 @@ NODES_EVERY_S = 1.0
 # queue, its worker process never registered) is given up and started again: a
 # node whose agent never comes would otherwise take no work for ever.
 AGENT_START_S = 120.0
+RING_ENDPOINT_S = 30.0   # a node of a trial on several nodes names its ring address in this
 # Ray's ways of saying "the worker or node that held this attempt is gone".
 LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
         ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
         ray.exceptions.OwnerDiedError)
+
+
+class Gang:
+    """The ranks of an attempt on several nodes (`nodes`, rank 0 first): how each
+    ended, as they end ((rank, node, result)), and whether the rest were cancelled."""
+    def __init__(self, nodes: list[str]):
+        self.nodes = nodes
+        self.ends: list[tuple[int, str, AttemptResult]] = []
+        self.cancelled = False
 
 
 class Flight(NamedTuple):
@@ -129,6 +139,7 @@ class Controller(HeadAPI, PlacementTurn):
         self.served: dict[str, int] = {}        # sweep -> the count when it last got a node
         self.tuned = Tuned(self.root)          # the plan table's measured models, read once each
         self.probing: dict[object, tuple[str, str, str]] = {}   # ref -> (tune, class, node)
+        self.gangs: dict[int, Gang] = {}        # an attempt on several nodes -> its ranks' ends
         self.nodes_seen = 0.0
         self.trackers = HeadStreams(self.root, self.log)   # report_to: a thread of its own
         self.wake = threading.Event()          # set by requests that may make work runnable
@@ -177,6 +188,9 @@ class Controller(HeadAPI, PlacementTurn):
                 self._probed(ref)
                 continue
             aid, node, _, result = self.inflight.pop(ref)
+            if aid in self.gangs:   # one rank of an attempt on several nodes
+                self._rank_ended(aid, node, result)
+                continue
             if self.unfiled_bytes < UNFILED_BYTES:
                 result = self._result(result, aid, node)
                 self.unfiled_bytes += _adapter_bytes(result)
@@ -205,6 +219,29 @@ class Controller(HeadAPI, PlacementTurn):
                 filed += 1
             if filed:
                 self.place()   # trials that went back to PENDING (oom, node lost)
+
+    def _rank_ended(self, aid: int, node: str, ref) -> None:
+        """One rank of attempt `aid` ended: its node is free. A rank that did not
+        succeed ends the attempt, so its peers are cancelled (their collectives
+        would end them anyway, after distributed.timeout_s); once every rank has
+        ended, the attempt's end (outcomes.ranks_ended) is filed as one."""
+        g = self.gangs[aid]
+        result = self._result(ref, aid, node)
+        g.ends.append((g.nodes.index(node), node, result))
+        with self.mu:
+            self.held.get(node, {}).pop(aid, None)
+            self.free_since[node] = result.ended or self.clock()
+        if result.outcome != Outcome.SUCCEEDED and not g.cancelled:
+            g.cancelled = True
+            for other in set(g.nodes) - {n for _, n, _ in g.ends}:
+                if other in self.agents:
+                    self.guarded(f"attempt {aid}: cancelling its rank on {other}",
+                                 self.agents[other].cancel.remote, aid)
+        if len(g.ends) == len(g.nodes):
+            del self.gangs[aid]
+            ended = outcomes.ranks_ended(aid, g.ends)
+            self.unfiled_bytes += _adapter_bytes(ended)
+            self.to_file.append((aid, ended, g.nodes[0]))
 
     def _ended(self, ref) -> float | None:
         """When an attempt ended (its agent's clock), or None where the agent failed
@@ -286,6 +323,7 @@ class Controller(HeadAPI, PlacementTurn):
         failure once the attempt is recorded (the agent gone) ends that attempt, not
         the turn."""
         tid, node, plan = t.id, d.node, d.plan
+        ranks = [placement.Rank(node, plan, d.budget_gb), *d.ranks]
         try:
             data = {name: read_input(self.root / "inputs" / sha)
                     for name, sha in t.inputs.items()}
@@ -294,30 +332,62 @@ class Controller(HeadAPI, PlacementTurn):
             line = self.fault(f"trial {tid}: reading its inputs on the head", e)
             self.state.move(tid, TrialState.FAILED, line, message=line)
             return self._maybe_done(t.sweep)
-        job = resolved(JobSpec.model_validate(t.job), plan, d.budget_gb)
-        # Runnable since: the trial was pending and this node was free (the later).
-        ready = max(t.runnable_since, self.free_since.get(node.name, 0.0))
-        aid = self.state.add_attempt(tid, node=node.name, chip=node.chip,
+        job = JobSpec.model_validate(t.job)
+        ring = self._ring(t, job, ranks) if d.ranks else []
+        if ring is None:
+            return None
+        names = ",".join(r.node.name for r in ranks)
+        # Runnable since: the trial was pending and its nodes were free (the latest).
+        ready = max([t.runnable_since] + [self.free_since.get(r.node.name, 0.0) for r in ranks])
+        aid = self.state.add_attempt(tid, node=names, chip=node.chip,
                                      segment_size=plan.segment_size,
-                                     predicted_gb=plan.predicted_gb, budget_gb=d.budget_gb,
+                                     predicted_gb=max(r.plan.predicted_gb for r in ranks),
+                                     budget_gb=min(r.budget_gb for r in ranks),
                                      resume_step=ckpt[0] if ckpt else None, ready=ready)
         how = f"resuming from step {ckpt[0]}" if ckpt else "from the start"
+        where = (f"{node.name} ({node.node_class})" if not d.ranks else
+                 f"{len(ranks)} nodes {', '.join(r.node.name for r in ranks)} (ring "
+                 f"{' '.join(ring)})")
         self.state.move(tid, TrialState.PLACED,
-                        f"placed on {node.name} ({node.node_class}) at segment_size "
+                        f"placed on {where} at segment_size "
                         f"{plan.segment_size}, predicted peak {plan.predicted_gb:.3f} GB "
                         f"({plan.source}), {how}",
                         attempt=aid)
-        spec = AttemptSpec(sweep=t.sweep, trial=tid, attempt=aid, job=job, data=data,
-                           checkpoint_step=ckpt[0] if ckpt else None,
-                           checkpoint=ckpt[1] if ckpt else {}, flush_s=self.flush_s())
+        if d.ranks:
+            self.gangs[aid] = Gang(nodes=[r.node.name for r in ranks])
+        for rank, r in enumerate(ranks):
+            spec = AttemptSpec(sweep=t.sweep, trial=tid, attempt=aid,
+                               job=resolved(job, r.plan, r.budget_gb), data=data,
+                               checkpoint_step=ckpt[0] if ckpt else None,
+                               checkpoint=ckpt[1] if ckpt else {}, flush_s=self.flush_s(),
+                               rank=rank, ring=ring)
+            try:
+                ended, result = self.agents[r.node.name].run.remote(spec)
+            except Exception as e:
+                line = self.fault(f"attempt {aid}: handing it to {r.node.name}", e)
+                failed = AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR, message=line)
+                if not d.ranks:
+                    return self.finish(aid, failed)
+                ended, result = ray.put(self.clock()), ray.put(failed)
+            self.inflight[ended] = Flight(aid, r.node.name, t.sweep, result)
+            self.held.setdefault(r.node.name, {})[aid] = r.budget_gb
+
+    def _ring(self, t: Trial, job: JobSpec, ranks: list) -> list[str] | None:
+        """Every rank's "host:port" for a trial on several nodes, rank 0 first, each
+        node's own answer (its `distributed.interface`, or the address it joined the
+        fleet with; a port free there). None when a node could not say: a node
+        without that interface fails the trial with why; one that does not answer
+        leaves it pending for the next turn."""
         try:
-            ended, result = self.agents[node.name].run.remote(spec)
+            return list(self.get([self.agents[r.node.name].ring_endpoint.remote(
+                job.distributed.interface) for r in ranks], timeout=RING_ENDPOINT_S))
         except Exception as e:
-            line = self.fault(f"attempt {aid}: handing it to {node.name}", e)
-            return self.finish(aid, AttemptResult(attempt=aid, outcome=Outcome.AGENT_ERROR,
-                                                  message=line))
-        self.inflight[ended] = Flight(aid, node.name, t.sweep, result)
-        self.held.setdefault(node.name, {})[aid] = d.budget_gb
+            line = self.fault(f"trial {t.id}: the addresses of its ring", e)
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ValueError):   # the node has no such interface
+                self.state.move(t.id, TrialState.FAILED, line, message=_one_line(e))
+                self._maybe_done(t.sweep)
+            return None
 
     def _probed(self, ref) -> None:
         tid, cls, node = self.probing.pop(ref)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from segctl.schemas.names import EXIT_RANK_LOST
 from segctl.schemas.records import OUTCOME_MOVES, AttemptResult, NodeInfo, Outcome, TrialState
 
 from .snapshot import Attempt, Trial
@@ -65,7 +66,8 @@ def after(r: AttemptResult, a: Attempt, t: Trial, *, last: Optional[Attempt],
     node `last` ran on, if it is still up; `retries`: the sweep's, or why they
     cannot be read; `used`: the trial's attempts charged against them so far (both
     read only where `charged(r.outcome)`)."""
-    to, where = OUTCOME_MOVES[r.outcome], a.node
+    # an attempt on several nodes: where its outcome happened (the rank out of memory)
+    to, where = OUTCOME_MOVES[r.outcome], r.node or a.node
     if to == TrialState.SUCCEEDED:
         return [Ended(TrialState.SUCCEEDED, f"finished on {where}: final loss "
                       f"{_fmt(r.final_loss)}, val loss {_fmt(r.val_loss)}",
@@ -125,13 +127,40 @@ def shared_oom(last: Optional[Attempt], node: Optional[NodeInfo],
     return last.budget_gb < alone - 1e-9
 
 
-def broke_on(last: Optional[Attempt]) -> Optional[str]:
-    """The node a trial's last attempt ended on as lost or with its agent failing
-    (a retry goes elsewhere where it can)."""
+def broke_on(last: Optional[Attempt]) -> tuple[str, ...]:
+    """The node(s) a trial's last attempt ended on as lost or with its agent failing
+    (a retry goes elsewhere where it can); all of them for an attempt on several."""
     if last and last.outcome in (Outcome.NODE_LOST, Outcome.AGENT_ERROR):
-        return last.node
-    return None
+        return tuple(last.node.split(","))
+    return ()
 
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def ranks_ended(attempt: int, ends: list[tuple[int, str, AttemptResult]]) -> AttemptResult:
+    """How an attempt on several nodes ended, from its ranks' ends ((rank, node,
+    result) in the order they came): every rank succeeded, rank 0's result (it
+    alone wrote the adapter); else the first rank to end otherwise, named (its
+    peers' ends follow from it: a lost ring, or the head cancelling them), or
+    cancelled if each was; a rank that lost its ring counts only when no other
+    rank failed. Its peak is the highest rank's."""
+    peak = max((r.peak_gb or 0.0 for _, _, r in ends), default=0.0) or None
+    last = max((r.ended or 0.0 for _, _, r in ends), default=0.0) or None
+    if all(r.outcome == Outcome.SUCCEEDED for _, _, r in ends):
+        first = next(r for rank, _, r in ends if rank == 0)
+        return first.model_copy(update={"peak_gb": peak, "ended": last})
+    failed = [(rank, node, r) for rank, node, r in ends
+              if r.outcome not in (Outcome.SUCCEEDED, Outcome.CANCELLED)]
+    # a rank that lost its ring (EXIT_RANK_LOST) ended because another did: that
+    # other is the cause, whichever end reached the head first
+    cause = next((e for e in failed if e[2].exit_code != EXIT_RANK_LOST), None) or \
+        next(iter(failed), None)
+    if cause is None:
+        return AttemptResult(attempt=attempt, outcome=Outcome.CANCELLED, message="cancelled",
+                             peak_gb=peak, ended=last)
+    rank, node, r = cause
+    return r.model_copy(update={"attempt": attempt, "node": node, "peak_gb": peak, "ended": last,
+                                "message": f"rank {rank} on {node}: {r.message}",
+                                "adapter": {}, "best_adapter": {}})

@@ -24,14 +24,23 @@ from .snapshot import Attempt, Held, Trial
 PlanFn = Callable[[NodeInfo, Optional[float]], Plan]   # (node, budget GB or None: all of it)
 
 
+class Rank(NamedTuple):
+    """One more node of a trial on several nodes, at its own plan and budget."""
+    node: NodeInfo
+    plan: Plan
+    budget_gb: float
+
+
 class Place(NamedTuple):
     """Start an attempt of `trial` on `node` at `plan`, guarded at `budget_gb`
-    (`solo`: it has the node to itself)."""
+    (`solo`: it has the node to itself); a trial on several nodes has its rank 0
+    there and ranks 1, 2, ... on `ranks`."""
     trial: str
     node: NodeInfo
     plan: Plan
     budget_gb: float
     solo: bool
+    ranks: tuple[Rank, ...] = ()
 
 
 class Wait(NamedTuple):
@@ -117,17 +126,33 @@ def place_trial(t: Trial, last: Optional[Attempt], *, placement: dict, margin: f
                 fitting.append((n, p))
             else:
                 short.append(p)
-    if not fitting:   # it fits somewhere busy: it waits for room there
+    ranks = t.nodes
+    if len(fitting) < ranks:   # it fits somewhere busy: it waits for room there
+        if ranks > 1:
+            return Wait(t.id, _why_not_together(ranks, fitting, names, by_class, nodes))
         return Wait(t.id, _why_not_now(short, solo, any(n.name in names for n in free),
                                        placement, excluded, margin))
     # the least loaded node first (spread, then stack), then the fastest plan; a
     # trial whose last attempt broke on a node (lost, or its agent failed: a full
-    # disk) goes to another one where it can, or that node takes every retry
+    # disk) goes to other ones where it can, or that node takes every retry. A trial
+    # on several nodes takes the first `ranks` of that order, all at once or none.
     broke = broke_on(last)
-    node, p = max(fitting, key=lambda np: (np[0].name != broke, -len(held.get(np[0].name, {})),
-                                           np[1].segment_size, -np[0].memory_gb))
-    return Place(t.id, node, p, lent_gb(node, p, margin=margin, solo=solo,
-                                       spare_gb=spare(node, held), own_gb=t.own_budget_gb), solo)
+    fitting.sort(key=lambda np: (np[0].name not in broke, -len(held.get(np[0].name, {})),
+                                 np[1].segment_size, -np[0].memory_gb), reverse=True)
+    lent = [Rank(n, p, lent_gb(n, p, margin=margin, solo=solo, spare_gb=spare(n, held),
+                               own_gb=t.own_budget_gb)) for n, p in fitting[:ranks]]
+    return Place(t.id, lent[0].node, lent[0].plan, lent[0].budget_gb, solo, tuple(lent[1:]))
+
+
+def _why_not_together(ranks: int, fitting: list, names: set, by_class: dict,
+                      nodes: Mapping[str, NodeInfo]) -> str:
+    """Why a trial on `ranks` nodes waits: fewer of the nodes it may use fit it now
+    (`fitting`), or are up at all."""
+    could = sorted(n for n in names if by_class[plan_class(nodes[n])].fits)
+    why = f"waiting for {ranks} nodes that fit together ({len(fitting)} free now"
+    if len(could) < ranks:
+        why += f"; {len(could)} up that it fits: {', '.join(could) or 'none'}"
+    return why + ")"
 
 
 def _why_not_now(short: list[Plan], solo: bool, free_eligible: bool, placement: dict,

@@ -47,7 +47,7 @@ class PlacementTurn(ControllerBase):
         free = self._place_probes(free)
         # What each sweep runs is what it has in flight: an attempt that ended this turn
         # frees its share before its trial's end is filed.
-        runs = Counter(f.sweep for f in self.inflight.values())
+        runs = Counter(f.sweep for f in {f.attempt: f for f in self.inflight.values()}.values())
         sweeps, turn = {}, []
         for s in self.state.running_sweeps():
             try:   # a row an older or hostile writer left unusable fails its sweep alone
@@ -134,8 +134,9 @@ class PlacementTurn(ControllerBase):
             self._maybe_done(t.sweep)
             return ""
         self.dispatch(t, d)
-        if not self.takes_work(d.node):
-            free.remove(d.node)
+        for n in [d.node] + [r.node for r in d.ranks]:
+            if n in free and not self.takes_work(n):
+                free.remove(n)
         return None
 
     def fail_sweep(self, sid: str, reason: str) -> None:

@@ -48,6 +48,11 @@ class Trial:
         """The job's own `memory.budget_gb`, if it set one."""
         return (self.job.get("memory") or {}).get("budget_gb")
 
+    @property
+    def nodes(self) -> int:
+        """The nodes it trains on at once (`distributed.nodes`)."""
+        return (self.job.get("distributed") or {}).get("nodes", 1)
+
 
 @dataclass(frozen=True)
 class Attempt:

@@ -642,7 +642,10 @@ def phase_peaks(events: list[dict]) -> tuple[np.ndarray, list[str], list[int]]:
             # a label twice in one step gets its own column: "label#2"
             n = seen[label] = seen.get(label, 0) + 1
             key = label if n == 1 else f"{label}#{n}"
-            row[labels.setdefault(key, len(labels))] = peak
+            # a job on several nodes: each rank's phases of a step; the highest counts
+            j = labels.setdefault(key, len(labels))
+            if row.get(j) is None or (peak is not None and peak > row[j]):
+                row[j] = peak
     steps = sorted(rows)
     peaks = np.full((len(steps), len(labels)), np.nan, dtype=np.float32)
     for i, s in enumerate(steps):

@@ -69,6 +69,10 @@ class AttemptSpec(BaseModel):
     checkpoint_step: Optional[int] = None
     checkpoint: dict[str, bytes] = {}   # file name -> bytes of the checkpoint to resume from
     flush_s: float = TELEMETRY_FLUSH_S  # forward telemetry at least this often (the head's pace)
+    # A job on several nodes (job.distributed.nodes): this node's rank, and every
+    # rank's "host:port" in the ring (MLX's hostfile), rank 0 first. Empty: one node.
+    rank: int = 0
+    ring: list[str] = []
 
 
 class ProbeSpec(BaseModel):
@@ -107,3 +111,6 @@ class AttemptResult(BaseModel):
     best_adapter: dict[str, bytes] = {}
     best_step: Optional[int] = None
     best_val_loss: Optional[float] = None
+    # A job on several nodes: the node where the attempt's outcome happened (the
+    # rank that ran out of memory, or was lost first); None on one node.
+    node: Optional[str] = None

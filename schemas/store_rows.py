@@ -37,6 +37,12 @@ STEPS = pa.schema([
     ("sequences", pa.int64()),        # sequences they ran as (fewer when packed)
     ("seq_tokens", pa.int64()),       # tokens of those sequences (tokens_per_s counts supervised)
     ("pack_efficiency", pa.float64()),  # packed: seq_tokens / (sequences x pack_length)
+    # A job on several nodes: a row per rank and step. This rank, its share of the
+    # step's rows, and its all_sum's seconds and bytes; null on one node.
+    ("rank", pa.int64()),
+    ("rank_rows", pa.int64()),
+    ("allreduce_s", pa.float64()),
+    ("allreduce_bytes", pa.int64()),
 ])
 
 # One row per evaluation (the engine's `eval` event).

@@ -338,3 +338,52 @@ def test_attempt_times_come_from_the_controllers_clock(tmp_path, payload):
     world.turns(c, 1)
     # no `ended` from the node: the head's clock says when it ended, and the node is free since
     assert c.state.attempt(spec.attempt)["ended"] == world.now == c.free_since["a"]
+
+
+# ------------------------------------------------------------------ a trial on several nodes
+
+def test_a_trial_on_two_nodes_runs_one_rank_on_each_and_ends_as_its_first_failing_rank(
+        tmp_path, payload):
+    world = World(names=("a", "b", "c"))
+    c = world.controller(tmp_path)
+    p = sweep_of(payload, "s", segment_size=1, retries=3)
+    job = p["trials"][0]["job"]
+    job["distributed"] = {"nodes": 2}
+    job["train"]["batch_size"] = 2
+    c.submit(p)
+    world.turns(c, 2)
+    ranks = sorted((r.args[0] for r in live(world)), key=lambda spec: spec.rank)
+    assert [spec.rank for spec in ranks] == [0, 1] and ranks[0].attempt == ranks[1].attempt
+    aid, ring = ranks[0].attempt, ranks[0].ring
+    nodes = c.state.attempt(aid)["node"].split(",")
+    assert len(set(nodes)) == 2 and ranks[1].ring == ring
+    assert ring == [f"{n}.lan:{ring[i].rsplit(':', 1)[1]}" for i, n in enumerate(nodes)]
+    # rank 1's process is lost: rank 0 is cancelled, and the attempt ends once, as rank 1's
+    [r1] = [r for r in running(world.agents[nodes[1]])]
+    r1.settle(AttemptResult(attempt=aid, outcome="node_lost", message="engine killed"))
+    world.turns(c, 1)
+    assert any(r.what == "cancel" and r.args == (aid,) for r in world.agents[nodes[0]].calls)
+    assert c.state.attempt(aid)["status"] != "ended"   # rank 0 still out
+    [r0] = [r for r in running(world.agents[nodes[0]])]
+    r0.settle(AttemptResult(attempt=aid, outcome="cancelled", message="cancelled"))
+    world.turns(c, 2)
+    a = c.state.attempt(aid)
+    assert a["outcome"] == Outcome.NODE_LOST and a["message"] == f"rank 1 on {nodes[1]}: engine killed"
+    # the retry takes two nodes again, the one it did not break on first
+    again = sorted((r.args[0] for r in live(world)), key=lambda spec: spec.rank)
+    assert len(again) == 2 and again[0].attempt != aid
+    assert "c" in c.state.attempt(again[0].attempt)["node"].split(",")
+
+
+def test_a_trial_on_more_nodes_than_are_free_waits_saying_so(tmp_path, payload):
+    world = World(names=("a", "b"))
+    c = world.controller(tmp_path)
+    p = sweep_of(payload, "s", segment_size=1)
+    job = p["trials"][0]["job"]
+    job["distributed"] = {"nodes": 3}
+    job["train"]["batch_size"] = 3
+    c.submit(p)
+    world.turns(c, 2)
+    assert not live(world)
+    [(reason,)] = c.state.q("SELECT reason FROM waiting")
+    assert reason.startswith("waiting for 3 nodes that fit together (2 free now; 2 up")

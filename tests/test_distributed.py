@@ -163,10 +163,17 @@ def test_a_job_on_several_nodes_is_refused_where_it_cannot_run(demo_dir, tmp_pat
     with open(job, "w") as f:
         yaml.safe_dump(spec, f)
     assert_one_line_error(segctl("validate", job), "needs lora.dropout 0")
-    # a fleet does not start ranks yet: plan and submit say so, nothing is sent
+    # more nodes than the fleet has (the embedded one is this machine alone), or a
+    # backend the fleet does not start: plan and submit say so, nothing is sent
     two = _job(demo_dir, tmp_path, "fleet", nodes=2)
     for command in ("plan", "submit"):
         assert_one_line_error(segctl(command, two, env={"SEGCTL_HOME": str(tmp_path / "home")}),
-                              "distributed.nodes: 2: the fleet does not start a job on several "
-                              "nodes yet")
+                              "distributed.nodes: 2: the cluster has 1 node(s)",
+                              "a trial's ranks each take a node of their own")
+    spec = yaml.safe_load(open(two))
+    spec["distributed"]["backend"] = "jaccl"
+    with open(two, "w") as f:
+        yaml.safe_dump(spec, f)
+    assert_one_line_error(segctl("plan", two, env={"SEGCTL_HOME": str(tmp_path / "home")}),
+                          "distributed.backend: jaccl: the fleet starts ring ranks (TCP) only")
     assert not (tmp_path / "home").exists()

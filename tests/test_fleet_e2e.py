@@ -337,6 +337,47 @@ def test_higher_priority_runs_first_and_a_broken_model_fails_with_the_engines_me
     assert max(placed(t) for t in highs) < min(placed(t) for t in lows[1:]), (highs, lows)
 
 
+def test_a_trial_on_two_nodes_trains_what_one_process_trains(fleet, tmp_path):
+    """distributed.nodes: 2 on the fleet: the head places both ranks at once, each
+    node's agent starts its rank in MLX's ring, rank 0's adapter is the trial's,
+    every rank's steps land in the stores, and the adapter is the one process's."""
+    import numpy as np
+
+    from segctl.orchestrator.stores import Stores
+    train = {"iters": 4, "batch_size": 2, "learning_rate": 1e-4}
+    path = _sweep(fleet, "ring", job={"train": dict(yaml.safe_load(
+        (fleet["root"] / "job.yaml").read_text())["train"], **train),
+        "distributed": {"nodes": 2}})
+    proc = segctl("submit", path, "--cluster", fleet["cluster"], "--detach")
+    assert proc.returncode == 0, proc.stderr
+    sid = proc.stdout.strip()
+    sw = _wait(fleet, sid, lambda sw: sw["state"] != SweepState.RUNNING, timeout=240)
+    [t] = sw["trials"]
+    assert t["state"] == TrialState.SUCCEEDED, t
+    [a] = t["attempts"]
+    nodes = a["node"].split(",")
+    assert len(nodes) == 2 and len(set(nodes)) == 2   # one trial, on two nodes
+    rows = [r for r in _steps(fleet, sid) if r["trial"] == t["trial"]]
+    assert sorted((r["step"], r["rank"]) for r in rows) == [(s, k) for s in range(1, 5)
+                                                           for k in (0, 1)]
+    assert all(r["rank_rows"] == 1 and r["allreduce_bytes"] > 0 for r in rows)
+    # the same job in one process here
+    job = yaml.safe_load((fleet["root"] / "job.yaml").read_text())
+    job["train"].update(train)
+    job.update(model=str(fleet["root"] / "model"), output=str(tmp_path / "one"),
+               data={**job["data"], "train": str(fleet["root"] / "data/train.jsonl"),
+                     "valid": str(fleet["root"] / "data/valid.jsonl")})
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(job))
+    one = segctl("train", tmp_path / "one.yaml")
+    assert one.returncode == 0, one.stderr[-2000:]
+    import mlx.core as mx
+    ref = {k: np.array(v) for k, v in mx.load(str(tmp_path / "one/adapters.safetensors")).items()}
+    got, _ = Stores(fleet["stores"]).adapter(t["trial"])
+    norm = lambda d: np.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in d.values()))
+    assert got.keys() == ref.keys()
+    assert norm({k: got[k] - ref[k] for k in ref}) <= 1e-5 * norm(ref)
+
+
 def _no_duplicate_steps(rows, trial, total):
     mine = [(r["attempt"], r["step"]) for r in rows if r["trial"] == trial]
     assert len(mine) == len(set(mine))

@@ -70,6 +70,8 @@ class Method:
         self.agent.calls.append(ref)
         if self.name in ("ping", "cancel"):
             ref.settle(True)
+        if self.name == "ring_endpoint":   # where its rank of a ring would listen
+            ref.settle(f"{self.agent.name}.lan:{5000 + len(self.agent.calls)}")
         return (EndOf(ref), ref) if self.name == "run" else ref
 
 
@@ -78,7 +80,7 @@ class Agent:
         self.name = name
         self.calls: list[Ref] = []
         self.refuse: dict[str, BaseException] = {}
-        for m in ("run", "probe", "ping", "cancel"):
+        for m in ("run", "probe", "ping", "cancel", "ring_endpoint"):
             setattr(self, m, Method(self, m))
 
     def runs(self) -> list[Ref]:
@@ -112,7 +114,9 @@ class World:
         return ready, [r for r in refs if not r.done]
 
     @staticmethod
-    def get(ref):
+    def get(ref, timeout=None):
+        if isinstance(ref, list):
+            return [World.get(r) for r in ref]
         if ref.error is not None:
             raise ref.error
         return ref.value

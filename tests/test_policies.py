@@ -11,6 +11,7 @@ import pytest
 
 from segctl.orchestrator import asha, outcomes, placement, probing
 from segctl.orchestrator.snapshot import Attempt, Trial
+from segctl.schemas.names import EXIT_RANK_LOST
 from segctl.schemas.records import AttemptResult, NodeInfo, Outcome, Plan, TrialState, TuneState
 from segctl.schemas.search import SchedulerSpec
 from segctl.schemas.states import TrialState
@@ -147,10 +148,45 @@ def test_cancelled_and_failed_end_the_trial():
 
 
 def test_broke_on_names_the_node_of_a_lost_or_failed_agent_only():
-    assert outcomes.broke_on(attempt(outcome=Outcome.NODE_LOST)) == "a"
-    assert outcomes.broke_on(attempt(outcome=Outcome.AGENT_ERROR)) == "a"
-    assert outcomes.broke_on(attempt(outcome=Outcome.OOM)) is None
-    assert outcomes.broke_on(None) is None
+    assert outcomes.broke_on(attempt(outcome=Outcome.NODE_LOST)) == ("a",)
+    assert outcomes.broke_on(attempt(outcome=Outcome.AGENT_ERROR)) == ("a",)
+    assert outcomes.broke_on(attempt(node="a,b", outcome=Outcome.NODE_LOST)) == ("a", "b")
+    assert outcomes.broke_on(attempt(outcome=Outcome.OOM)) == ()
+    assert outcomes.broke_on(None) == ()
+
+
+def rank_end(outcome, message="", peak=1.0, ended=10.0, adapter=None) -> AttemptResult:
+    return AttemptResult(attempt=9, outcome=outcome, message=message, peak_gb=peak, ended=ended,
+                         adapter=adapter or {})
+
+
+def test_an_attempt_on_several_nodes_ends_as_its_first_rank_to_fail():
+    ok = outcomes.ranks_ended(9, [(1, "b", rank_end("succeeded", peak=2.0, ended=12.0)),
+                                  (0, "a", rank_end("succeeded", adapter={"x": b"1"}))])
+    assert (ok.outcome, ok.adapter, ok.peak_gb, ok.ended, ok.node) == (
+        "succeeded", {"x": b"1"}, 2.0, 12.0, None)   # rank 0's adapter, the highest peak
+    # rank 1 ran out of memory; rank 0 then lost its ring: the attempt is rank 1's oom
+    oom = outcomes.ranks_ended(9, [(1, "b", rank_end("oom", "memory budget crossed")),
+                                   (0, "a", rank_end("node_lost", "a rank of the ring is gone"))])
+    assert (oom.outcome, oom.node, oom.message) == ("oom", "b", "rank 1 on b: memory budget crossed")
+    # rank 0's lost ring reached the head first; rank 1's process was killed: rank 1 counts
+    gone = rank_end("node_lost", "a rank is gone").model_copy(update={"exit_code": EXIT_RANK_LOST})
+    killed = outcomes.ranks_ended(9, [(0, "a", gone),
+                                      (1, "b", rank_end("node_lost", "engine killed by signal 9"))])
+    assert (killed.node, killed.message) == ("b", "rank 1 on b: engine killed by signal 9")
+    assert outcomes.ranks_ended(9, [(0, "a", gone), (1, "b", rank_end("cancelled"))]).node == "a"
+    # the head cancelled the peers of a lost rank: the loss is what counts
+    lost = outcomes.ranks_ended(9, [(0, "a", rank_end("cancelled", "cancelled")),
+                                    (2, "c", rank_end("node_lost", "node c lost")),
+                                    (1, "b", rank_end("cancelled", "cancelled"))])
+    assert (lost.outcome, lost.node) == ("node_lost", "c")
+    assert outcomes.ranks_ended(9, [(0, "a", rank_end("cancelled")),
+                                    (1, "b", rank_end("succeeded"))]).outcome == "cancelled"
+    # an oom on a node of several excludes that node alone
+    t = trial(job={"distributed": {"nodes": 2}})
+    moves = outcomes.after(oom, attempt(node="a,b", segment_size=1), t, last=None, node=None,
+                           retries=3, used=1)
+    assert moves[-1].excluded == ("b",)
 
 
 # ------------------------------------------------------------------ placement
@@ -233,6 +269,26 @@ def test_a_retry_goes_elsewhere_than_the_node_it_broke_on_where_it_can():
     last = attempt(node="a", outcome=Outcome.NODE_LOST)
     assert place(nodes=[a, b], last=last).node.name == "b"
     assert place(nodes=[a, b], free=[a], last=last).node.name == "a"
+
+
+def test_a_trial_on_several_nodes_takes_them_all_at_once_or_waits_saying_for_how_many():
+    a, b, c = node("a"), node("b", 16.0), node("c", 4.0)
+    t = trial(job={"distributed": {"nodes": 2}})
+    d = place(t, nodes=[a, b, c], table={4.0: 9.0})   # c can never hold it
+    assert isinstance(d, placement.Place)
+    assert {d.node.name, *(r.node.name for r in d.ranks)} == {"a", "b"}
+    assert [r.budget_gb for r in d.ranks] == [8.0 if d.node.name == "b" else 16.0]
+    # one of the two busy: none is taken, and it says why
+    assert place(t, nodes=[a, b, c], free=[a, c], table={4.0: 9.0}) == placement.Wait(
+        "s-t0", "waiting for 2 nodes that fit together (1 free now)")
+    # only one node up that can hold it: it waits (more may join), naming what it has
+    assert place(t, nodes=[a, c], table={4.0: 9.0}) == placement.Wait(
+        "s-t0", "waiting for 2 nodes that fit together (1 free now; 1 up that it fits: a)")
+    # a retry after a lost rank prefers nodes it did not break on
+    three = trial(job={"distributed": {"nodes": 2}})
+    d = place(three, nodes=[a, node("a2"), node("a3")],
+              last=attempt(node="a,a2", outcome=Outcome.NODE_LOST))
+    assert "a3" in {d.node.name, *(r.node.name for r in d.ranks)}
 
 
 def test_free_nodes_it_may_not_use_make_it_wait_for_one_it_may():

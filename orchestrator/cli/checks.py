@@ -32,15 +32,23 @@ def check_families(where, models) -> None:
                 _fail(f"{where}: model: {e}")
 
 
-def check_on_one_node(where, jobs) -> None:
-    """Exit 2 when a trial asks for several nodes (`distributed.nodes` > 1): the
-    fleet does not start a job's ranks yet, and a trial placed on one node would
-    fail there. `segctl train` per machine runs it (README)."""
-    n = max((job.distributed.nodes for job in jobs), default=1)
-    if n > 1:
-        _fail(f"{where}: distributed.nodes: {n}: the fleet does not start a job on several nodes "
-              "yet; run one `segctl train` per machine with MLX_RANK and MLX_HOSTFILE "
-              "(README: one job on several machines)")
+def check_nodes(where, sweep, nodes) -> None:
+    """Exit 2 when a trial asks for more nodes (`distributed.nodes`) than the
+    cluster has that match the sweep's placement (`nodes`: the declared ones, or
+    this machine alone without a cluster file), or for a backend the fleet cannot
+    start: nothing is placed then."""
+    placement = dict(sweep.spec.placement)
+    have = [n.name for n in nodes if n.matches(placement)]
+    for t in sweep.trials:
+        d = t.job.distributed
+        if d.nodes > 1 and d.backend != "ring":
+            _fail(f"{where}: distributed.backend: {d.backend}: the fleet starts ring ranks "
+                  "(TCP) only; start jaccl ranks by hand (README: one job on several machines)")
+        if d.nodes > len(have):
+            which = f" matching placement {placement}" if placement else ""
+            _fail(f"{where}: distributed.nodes: {d.nodes}: the cluster has {len(have)} "
+                  f"node(s){which} ({', '.join(have) or 'none'}); a trial's ranks each take a "
+                  "node of their own")
 
 
 def check_packing(spec: Path, sweep=None, jobs=None) -> None:

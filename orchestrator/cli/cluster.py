@@ -81,7 +81,8 @@ def cluster_status(cluster_file, as_json: bool):
     db = _root(spec) / "state.db"
     if db.exists():
         for a in state.read(db).open_attempts():
-            running.setdefault(a["node"], []).append(a["trial"])   # up to its max_trials
+            for node in a["node"].split(","):   # an attempt on several nodes: each one
+                running.setdefault(node, []).append(a["trial"])   # up to its max_trials
     ray_nodes = fleet.ports()
     where = {name: r for r in ray_nodes for name in r["names"]}
     nodes: list = []

@@ -15,7 +15,7 @@ from segctl.schemas.states import SweepState, TrialState
 
 from .. import cli, views  # cli._head is looked up when called: tests replace it
 from . import _cluster, _fail, _from_db, _load, _root, _says, cluster_option, main
-from .checks import check_families, check_on_one_node, check_packing, check_trackers
+from .checks import check_families, check_nodes, check_packing, check_trackers
 
 HEAD_CHECK_S = 10   # _follow: how often it asks whether the head still runs
 
@@ -54,7 +54,7 @@ def _payload(sweep_file, spec, tokens: dict | None = None):
     check_families(sweep_file, [t.job.model for t in sweep.trials])
     check_packing(sweep_file, sweep)
     check_trackers(sweep_file, [t.job for t in sweep.trials])
-    check_on_one_node(sweep_file, [t.job for t in sweep.trials])
+    check_nodes(sweep_file, sweep, _declared_nodes(spec))
     try:
         return prepare(sweep, _knobs(spec), tokens)
     except (ValueError, DataError, OSError) as e:

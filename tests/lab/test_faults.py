@@ -102,14 +102,15 @@ def alive_nodes(lab) -> list[str]:
 
 
 def submit(lab, name: str, *, trials: int = 3, iters: int = 40, every: int = 5,
-           retries: int = 3) -> str:
+           retries: int = 3, grid: dict | None = None) -> str:
     """A sweep of `trials` demo trials of `iters` steps, a checkpoint every `every`
-    steps, submitted detached; its id."""
+    steps (and `grid`'s keys, one value each), submitted detached; its id."""
     rates = ", ".join(f"{(i + 1) * 1.0e-4:.1e}" for i in range(trials))
     sweep = (f"name: {name}\nbase: job.yaml\ngrid:\n"
              f"  train.learning_rate: [{rates}]\n  train.iters: [{iters}]\n"
              f"  train.checkpoint_every: [{every}]\n  train.eval_every: [0]\n"
-             f"concurrency: {trials}\nretries: {retries}\n")
+             + "".join(f"  {k}: [{v}]\n" for k, v in (grid or {}).items())
+             + f"concurrency: {trials}\nretries: {retries}\n")
     out = run(lab, "h1", f"printf %s {shlex.quote(sweep)} > demo/{name}.yaml && "
                          f"segctl submit demo/{name}.yaml --cluster cluster.yaml --detach")
     return out.stdout.strip().splitlines()[-1]
@@ -197,19 +198,24 @@ def check(lab, sid: str, watch: "LeftBehind") -> dict:
         assert a["outcome"] == Outcome.SUCCEEDED or a["message"].strip(), a
         assert a["id"] in done, f"attempt {a['id']} is not sealed"
 
-    # every step row once per attempt; a succeeded attempt has each of its steps once
-    steps = _table(root, "steps", sid, ["attempt", "step", "time"])
-    seen: dict[tuple[int, int], int] = {}
-    for attempt, step in zip(steps["attempt"], steps["step"]):
-        seen[(attempt, step)] = seen.get((attempt, step), 0) + 1
+    # every step row once per attempt (and rank, on several nodes); a succeeded
+    # attempt has each of its steps once from each of its ranks
+    steps = _table(root, "steps", sid, ["attempt", "step", "rank", "time"])
+    seen: dict[tuple[int, int, int], int] = {}
+    for attempt, step, rank in zip(steps["attempt"], steps["step"], steps["rank"]):
+        key = (attempt, step, rank or 0)
+        seen[key] = seen.get(key, 0) + 1
     doubled = {k: n for k, n in seen.items() if n > 1}
     assert not doubled, f"step rows more than once: {doubled}"
-    assert {a for a, _ in seen} <= {a["id"] for a in tries}
+    assert {a for a, _, _ in seen} <= {a["id"] for a in tries}
     for a in tries:
         if a["outcome"] == Outcome.SUCCEEDED:
-            total = json.loads(trials[a["trial"]]["job"])["train"]["iters"]
-            have = sorted(s for (att, s) in seen if att == a["id"])
-            assert have == list(range((a["resume_step"] or 0) + 1, total + 1)), (a["id"], have)
+            job = json.loads(trials[a["trial"]]["job"])
+            total = job["train"]["iters"]
+            ranks = (job.get("distributed") or {}).get("nodes", 1)
+            have = sorted((s, r) for (att, s, r) in seen if att == a["id"])
+            assert have == [(s, r) for s in range((a["resume_step"] or 0) + 1, total + 1)
+                            for r in range(ranks)], (a["id"], have)
 
     # no finished trial ran again
     for tid, t in trials.items():
@@ -556,3 +562,153 @@ def test_f_a_head_restarted_between_sweeps_and_a_reader_that_comes_and_goes(whol
     got = check(lab, sid, watch)
     assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
     print(f"\n[f] {sid}: {time.monotonic() - t0:.0f} s")
+
+
+# ------------------------------------------------------------------ one trial on two nodes
+
+# distributed.nodes: 2 (a rank on each of two of the three nodes, a row of each
+# two-row step each); a collective that makes no progress for 10 s ends its rank
+RING = {"distributed.nodes": 2, "distributed.timeout_s": 10, "train.batch_size": 2}
+_ring_reference: dict = {}
+
+
+def ring_trial(lab, name: str, iters: int = 120) -> str:
+    return submit(lab, name, trials=1, iters=iters, every=10, grid=RING)
+
+
+def ring_adapter(lab, sid: str, trial: str | None = None):
+    from segctl.orchestrator.stores import Stores
+    tensors, _ = Stores(stores_root(lab)).adapter(trial or f"{sid}-t000")
+    return tensors
+
+
+def same_as_undisturbed(lab, sid: str, watch) -> None:
+    """The trial's adapter is an undisturbed two-node run's (made once, first)
+    within fp32 rounding, its norm's 1e-5."""
+    import numpy as np
+    if not _ring_reference:
+        calm = ring_trial(lab, "ringcalm")
+        wait_done(lab, calm, 120)
+        _ring_reference.update(ring_adapter(lab, calm))
+    got, ref = ring_adapter(lab, sid), _ring_reference
+    norm = lambda d: np.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in d.values()))
+    assert got.keys() == ref.keys()
+    assert norm({k: got[k] - ref[k] for k in ref}) <= 1e-5 * norm(ref)
+
+
+def ring_victim(lab, sid: str) -> tuple[dict, str]:
+    """The trial's running attempt once it has shipped a checkpoint, and the node of
+    its rank 1."""
+    a = first_running(lab, sid, min_step=21)
+    nodes = a["node"].split(",")
+    assert len(nodes) == 2, a
+    return a, nodes[1]
+
+
+def ring_ended(lab, got: dict, victim: dict, host: str) -> None:
+    """The victim attempt ended as a lost node, named, and the trial went on from
+    a checkpoint, on two nodes, to SUCCEEDED."""
+    [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
+    assert ended["outcome"] == Outcome.NODE_LOST, ended
+    later = later_attempts(got, ended)
+    assert later and later[0]["resume_step"] and len(later[0]["node"].split(",")) == 2, later
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
+
+
+def test_g_a_ring_rank_killed(whole, watch):
+    lab = whole
+    t0 = time.monotonic()
+    sid = ring_trial(lab, "rankkill")
+    victim, host = ring_victim(lab, sid)
+    [pid] = [p for h, p, where in engines(lab)
+             if h == host and f"/attempt-{victim['id']}" in where]
+    os.kill(pid, signal.SIGKILL)
+    wait_done(lab, sid, 120)
+    got = check(lab, sid, watch)
+    ring_ended(lab, got, victim, host)
+    [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
+    assert f"rank 1 on {host}" in ended["message"], ended
+    same_as_undisturbed(lab, sid, watch)
+    print(f"\n[g] {sid}: rank 1's engine on {host} killed: {ended['message']}; "
+          f"{time.monotonic() - t0:.0f} s")
+
+
+def test_h_a_ring_host_powered_off(whole, watch):
+    lab = whole
+    t0 = time.monotonic()
+    sid = ring_trial(lab, "ringpower")
+    victim, host = ring_victim(lab, sid)
+    power_off(lab, host)
+    try:
+        wait_done(lab, sid, 180)   # the trial goes on on the other two nodes
+    finally:
+        assert wait_for(lambda: host not in alive_nodes(lab), 90, every=2), alive_nodes(lab)
+        lablib.restart_host(lab, host)
+        run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
+    got = check(lab, sid, watch)
+    ring_ended(lab, got, victim, host)
+    assert host not in later_attempts(got, victim)[0]["node"].split(",")
+    same_as_undisturbed(lab, sid, watch)
+    print(f"\n[h] {sid}: {host} (rank 1) powered off; {time.monotonic() - t0:.0f} s")
+
+
+def test_i_a_ring_link_cut_mid_allreduce(whole, watch):
+    lab = whole
+    t0 = time.monotonic()
+    sid = ring_trial(lab, "ringcut")
+    victim, host = ring_victim(lab, sid)
+    link(lab, host, up=False)   # every step all-reduces: the cut lands in one
+    try:
+        time.sleep(20)          # past the ring's 10 s: its ranks end, none hangs
+    finally:
+        link(lab, host, up=True)
+    wait_done(lab, sid, 180)
+    got = check(lab, sid, watch)
+    ring_ended(lab, got, victim, host)
+    same_as_undisturbed(lab, sid, watch)
+    print(f"\n[i] {sid}: {host}'s link cut for 20 s; {time.monotonic() - t0:.0f} s")
+
+
+def test_j_the_head_restarted_under_a_ring(whole, watch):
+    lab = whole
+    t0 = time.monotonic()
+    sid = ring_trial(lab, "ringhead")
+    victim, _ = ring_victim(lab, sid)
+    assert wait_for(lambda: f"{sid}-t000" in shipped(lab), 60)
+    power_off(lab, "h1")
+    lablib.restart_host(lab, "h1")
+    run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
+    run(lab, "h1", f"segctl resume {sid} --cluster cluster.yaml --json", timeout=180)
+    got = check(lab, sid, watch)
+    [cut] = [a for a in got["attempts"] if a["id"] == victim["id"]]
+    assert cut["outcome"] == Outcome.INTERRUPTED, cut
+    later = later_attempts(got, cut)
+    assert later and later[0]["resume_step"] and len(later[0]["node"].split(",")) == 2, later
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
+    same_as_undisturbed(lab, sid, watch)
+    print(f"\n[j] {sid}: the head restarted under a ring; {time.monotonic() - t0:.0f} s")
+
+
+def test_k_the_same_job_on_one_two_and_three_hosts_trains_the_same_adapter(whole, watch):
+    """One sweep, its trials the same job on 1, 2 and 3 nodes (a 6-row step: 6,
+    3 and 2 rows a rank): the three share the fleet, the three-node trial waiting
+    for all three, and end with the same adapter within fp32 rounding."""
+    import numpy as np
+    lab = whole
+    t0 = time.monotonic()
+    grid = (f"name: hosts\nbase: job.yaml\ngrid:\n  distributed.nodes: [1, 2, 3]\n"
+            f"  train.batch_size: [6]\n  train.iters: [20]\n  train.eval_every: [0]\n"
+            f"concurrency: 3\n")
+    sid = run(lab, "h1", f"printf %s {shlex.quote(grid)} > demo/hosts.yaml && segctl submit "
+                         "demo/hosts.yaml --cluster cluster.yaml --detach").stdout.split()[-1]
+    wait_done(lab, sid, 180)
+    got = check(lab, sid, watch)
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
+    by_nodes = {len(a["node"].split(",")): a for a in got["attempts"]}
+    assert sorted(by_nodes) == [1, 2, 3]
+    tensors = {n: ring_adapter(lab, sid, a["trial"]) for n, a in by_nodes.items()}
+    norm = lambda d: np.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in d.values()))
+    for n in (2, 3):
+        assert norm({k: tensors[n][k] - tensors[1][k] for k in tensors[1]}) <= \
+            1e-5 * norm(tensors[1]), n
+    print(f"\n[k] {sid}: on 1, 2 and 3 hosts; {time.monotonic() - t0:.0f} s")
