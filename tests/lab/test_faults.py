@@ -1,7 +1,10 @@
 """Faults across hosts, on the lab: a link cut, a host powered off, the head
 host killed, a node's disk filling up, a node partitioned from the head, and
 the head restarted between sweeps with readers of its stores coming and going
-(after a sweep with no fault, the baseline). Each scenario runs a sweep of its
+(after a sweep with no fault, the baseline); then one trial on two nodes (a
+ring) with a rank's engine killed, its host powered off, its link cut mid
+all-reduce, the head restarted under it, each adapter equal to an undisturbed
+ring's, and the same job on 1, 2 and 3 hosts giving the same adapter. Each scenario runs a sweep of its
 own on one fleet (head h1 trains nothing; nodes h2, h3, h4), breaks something
 while the sweep runs, lets it finish, and then the same checker reads the
 head's stores on h1 (from this machine's disk) and asserts:
@@ -605,7 +608,7 @@ def ring_victim(lab, sid: str) -> tuple[dict, str]:
     return a, nodes[1]
 
 
-def ring_ended(lab, got: dict, victim: dict, host: str) -> None:
+def ring_ended(got: dict, victim: dict) -> None:
     """The victim attempt ended as a lost node, named, and the trial went on from
     a checkpoint, on two nodes, to SUCCEEDED."""
     [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
@@ -625,7 +628,7 @@ def test_g_a_ring_rank_killed(whole, watch):
     os.kill(pid, signal.SIGKILL)
     wait_done(lab, sid, 120)
     got = check(lab, sid, watch)
-    ring_ended(lab, got, victim, host)
+    ring_ended(got, victim)
     [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
     assert f"rank 1 on {host}" in ended["message"], ended
     same_as_undisturbed(lab, sid, watch)
@@ -646,7 +649,7 @@ def test_h_a_ring_host_powered_off(whole, watch):
         lablib.restart_host(lab, host)
         run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
     got = check(lab, sid, watch)
-    ring_ended(lab, got, victim, host)
+    ring_ended(got, victim)
     assert host not in later_attempts(got, victim)[0]["node"].split(",")
     same_as_undisturbed(lab, sid, watch)
     print(f"\n[h] {sid}: {host} (rank 1) powered off; {time.monotonic() - t0:.0f} s")
@@ -664,7 +667,7 @@ def test_i_a_ring_link_cut_mid_allreduce(whole, watch):
         link(lab, host, up=True)
     wait_done(lab, sid, 180)
     got = check(lab, sid, watch)
-    ring_ended(lab, got, victim, host)
+    ring_ended(got, victim)
     same_as_undisturbed(lab, sid, watch)
     print(f"\n[i] {sid}: {host}'s link cut for 20 s; {time.monotonic() - t0:.0f} s")
 
@@ -696,9 +699,9 @@ def test_k_the_same_job_on_one_two_and_three_hosts_trains_the_same_adapter(whole
     import numpy as np
     lab = whole
     t0 = time.monotonic()
-    grid = (f"name: hosts\nbase: job.yaml\ngrid:\n  distributed.nodes: [1, 2, 3]\n"
-            f"  train.batch_size: [6]\n  train.iters: [20]\n  train.eval_every: [0]\n"
-            f"concurrency: 3\n")
+    grid = ("name: hosts\nbase: job.yaml\ngrid:\n  distributed.nodes: [1, 2, 3]\n"
+            "  train.batch_size: [6]\n  train.iters: [20]\n  train.eval_every: [0]\n"
+            "concurrency: 3\n")
     sid = run(lab, "h1", f"printf %s {shlex.quote(grid)} > demo/hosts.yaml && segctl submit "
                          "demo/hosts.yaml --cluster cluster.yaml --detach").stdout.split()[-1]
     wait_done(lab, sid, 180)
