@@ -60,7 +60,8 @@ demo: install
 	  echo "telemetry: $(DEMO)/home/telemetry/ (Parquet by sweep), $(DEMO)/home/memory.zarr, $(DEMO)/home/state.db"; \
 	  exit $$rc
 
-# The lab's fault scenarios (mostly waiting) run beside the rest: tests/run.sh.
+# The lab's fault scenarios and the fleet end to end (mostly waiting) run beside
+# the rest: tests/run.sh.
 test: install
 	$(RUN) bash tests/run.sh $(BIN)/python
 

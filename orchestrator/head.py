@@ -355,6 +355,9 @@ class Controller(HeadAPI, PlacementTurn):
                         attempt=aid)
         if d.ranks:
             self.gangs[aid] = Gang(nodes=[r.node.name for r in ranks])
+        if len(ranks) != job.distributed.nodes:   # a retry on fewer, down to its min_nodes
+            job = job.model_copy(update={"distributed": job.distributed.model_copy(
+                update={"nodes": len(ranks), "min_nodes": None})})
         for rank, r in enumerate(ranks):
             spec = AttemptSpec(sweep=t.sweep, trial=tid, attempt=aid,
                                job=resolved(job, r.plan, r.budget_gb), data=data,

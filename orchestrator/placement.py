@@ -126,7 +126,9 @@ def place_trial(t: Trial, last: Optional[Attempt], *, placement: dict, margin: f
                 fitting.append((n, p))
             else:
                 short.append(p)
-    ranks = t.nodes
+    # a trial on several nodes takes `nodes` of them; a retry (it ran before) as few
+    # as its `min_nodes`, when that many fit now and no more
+    ranks = min(t.nodes, max(len(fitting), t.min_nodes)) if last else t.nodes
     if len(fitting) < ranks:   # it fits somewhere busy: it waits for room there
         if ranks > 1:
             return Wait(t.id, _why_not_together(ranks, fitting, names, by_class, nodes))

@@ -53,6 +53,11 @@ class Trial:
         """The nodes it trains on at once (`distributed.nodes`)."""
         return (self.job.get("distributed") or {}).get("nodes", 1)
 
+    @property
+    def min_nodes(self) -> int:
+        """The fewest nodes a retry may go on (`distributed.min_nodes`, else `nodes`)."""
+        return (self.job.get("distributed") or {}).get("min_nodes") or self.nodes
+
 
 @dataclass(frozen=True)
 class Attempt:

@@ -191,6 +191,16 @@ class DistributedSpec(Strict):
     timeout_s: float = Field(120.0, gt=0, le=86_400,
                              description="a collective that makes no progress this long ends every "
                                          "rank, which fails the attempt as a lost node")
+    min_nodes: Optional[int] = Field(
+        None, ge=1, le=MAX_RANKS,
+        description="a retry may go on as few nodes as this when `nodes` do not fit together "
+                    "(the same global batch, a larger share each: the same steps); default: nodes")
+
+    @model_validator(mode="after")
+    def _min_within_nodes(self):
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes: {self.min_nodes} is more than nodes: {self.nodes}")
+        return self
 
 
 class TelemetrySpec(Strict):

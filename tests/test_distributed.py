@@ -163,6 +163,11 @@ def test_a_job_on_several_nodes_is_refused_where_it_cannot_run(demo_dir, tmp_pat
     with open(job, "w") as f:
         yaml.safe_dump(spec, f)
     assert_one_line_error(segctl("validate", job), "needs lora.dropout 0")
+    spec["lora"]["dropout"] = 0.0
+    spec["distributed"]["min_nodes"] = 3
+    with open(job, "w") as f:
+        yaml.safe_dump(spec, f)
+    assert_one_line_error(segctl("validate", job), "min_nodes: 3 is more than nodes: 2")
     # more nodes than the fleet has (the embedded one is this machine alone), or a
     # backend the fleet does not start: plan and submit say so, nothing is sent
     two = _job(demo_dir, tmp_path, "fleet", nodes=2)

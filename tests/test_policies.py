@@ -289,6 +289,15 @@ def test_a_trial_on_several_nodes_takes_them_all_at_once_or_waits_saying_for_how
     d = place(three, nodes=[a, node("a2"), node("a3")],
               last=attempt(node="a,a2", outcome=Outcome.NODE_LOST))
     assert "a3" in {d.node.name, *(r.node.name for r in d.ranks)}
+    # min_nodes: a first attempt waits for all of them; a retry goes on as few
+    t3 = trial(job={"distributed": {"nodes": 3, "min_nodes": 2}})
+    assert isinstance(place(t3, nodes=[a, b, c], table={4.0: 9.0}), placement.Wait)
+    d = place(t3, nodes=[a, b, c], table={4.0: 9.0}, last=attempt(node="a,b,x",
+                                                                 outcome=Outcome.NODE_LOST))
+    assert isinstance(d, placement.Place) and len(d.ranks) == 1
+    assert place(t3, nodes=[a, c], table={4.0: 9.0}, last=attempt(outcome=Outcome.NODE_LOST)) == \
+        placement.Wait("s-t0", "waiting for 2 nodes that fit together (1 free now; "
+                               "1 up that it fits: a)")
 
 
 def test_free_nodes_it_may_not_use_make_it_wait_for_one_it_may():

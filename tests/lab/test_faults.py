@@ -213,9 +213,8 @@ def check(lab, sid: str, watch: "LeftBehind") -> dict:
     assert {a for a, _, _ in seen} <= {a["id"] for a in tries}
     for a in tries:
         if a["outcome"] == Outcome.SUCCEEDED:
-            job = json.loads(trials[a["trial"]]["job"])
-            total = job["train"]["iters"]
-            ranks = (job.get("distributed") or {}).get("nodes", 1)
+            total = json.loads(trials[a["trial"]]["job"])["train"]["iters"]
+            ranks = len(a["node"].split(","))   # a retry may run on fewer (min_nodes)
             have = sorted((s, r) for (att, s, r) in seen if att == a["id"])
             assert have == [(s, r) for s in range((a["resume_step"] or 0) + 1, total + 1)
                             for r in range(ranks)], (a["id"], have)
@@ -572,11 +571,11 @@ def test_f_a_head_restarted_between_sweeps_and_a_reader_that_comes_and_goes(whol
 # distributed.nodes: 2 (a rank on each of two of the three nodes, a row of each
 # two-row step each); a collective that makes no progress for 10 s ends its rank
 RING = {"distributed.nodes": 2, "distributed.timeout_s": 10, "train.batch_size": 2}
-_ring_reference: dict = {}
+_ring_reference: dict = {}   # the grid of a ring trial -> its undisturbed adapter
 
 
-def ring_trial(lab, name: str, iters: int = 120) -> str:
-    return submit(lab, name, trials=1, iters=iters, every=10, grid=RING)
+def ring_trial(lab, name: str, iters: int = 120, grid: dict = RING) -> str:
+    return submit(lab, name, trials=1, iters=iters, every=10, grid=grid)
 
 
 def ring_adapter(lab, sid: str, trial: str | None = None):
@@ -585,15 +584,16 @@ def ring_adapter(lab, sid: str, trial: str | None = None):
     return tensors
 
 
-def same_as_undisturbed(lab, sid: str, watch) -> None:
-    """The trial's adapter is an undisturbed two-node run's (made once, first)
-    within fp32 rounding, its norm's 1e-5."""
+def same_as_undisturbed(lab, sid: str, watch, grid: dict = RING) -> None:
+    """The trial's adapter is an undisturbed run's of the same ring trial (made
+    once, first) within fp32 rounding, its norm's 1e-5."""
     import numpy as np
-    if not _ring_reference:
-        calm = ring_trial(lab, "ringcalm")
+    key = json.dumps(grid, sort_keys=True)
+    if key not in _ring_reference:
+        calm = ring_trial(lab, "ringcalm", grid=grid)
         wait_done(lab, calm, 120)
-        _ring_reference.update(ring_adapter(lab, calm))
-    got, ref = ring_adapter(lab, sid), _ring_reference
+        _ring_reference[key] = ring_adapter(lab, calm)
+    got, ref = ring_adapter(lab, sid), _ring_reference[key]
     norm = lambda d: np.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in d.values()))
     assert got.keys() == ref.keys()
     assert norm({k: got[k] - ref[k] for k in ref}) <= 1e-5 * norm(ref)
@@ -715,3 +715,32 @@ def test_k_the_same_job_on_one_two_and_three_hosts_trains_the_same_adapter(whole
         assert norm({k: tensors[n][k] - tensors[1][k] for k in tensors[1]}) <= \
             1e-5 * norm(tensors[1]), n
     print(f"\n[k] {sid}: on 1, 2 and 3 hosts; {time.monotonic() - t0:.0f} s")
+
+
+def test_l_a_ring_of_three_resumes_on_its_min_nodes_two(whole, watch):
+    """distributed: {nodes: 3, min_nodes: 2} and a rank's host powered off: the
+    retry goes on the two nodes left, each a larger share of the same 6-row steps,
+    and trains the undisturbed three-node run's adapter."""
+    lab = whole
+    t0 = time.monotonic()
+    grid = dict(RING, **{"distributed.nodes": 3, "distributed.min_nodes": 2,
+                         "train.batch_size": 6})
+    sid = ring_trial(lab, "ringmin", grid=grid)
+    victim = first_running(lab, sid, min_step=21)
+    host = victim["node"].split(",")[2]
+    power_off(lab, host)
+    try:
+        wait_done(lab, sid, 180)
+    finally:
+        assert wait_for(lambda: host not in alive_nodes(lab), 90, every=2), alive_nodes(lab)
+        lablib.restart_host(lab, host)
+        run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
+    got = check(lab, sid, watch)
+    [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
+    assert ended["outcome"] == Outcome.NODE_LOST, ended
+    later = later_attempts(got, ended)
+    assert later and later[0]["resume_step"] and len(later[0]["node"].split(",")) == 2, later
+    assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
+    same_as_undisturbed(lab, sid, watch, grid)
+    print(f"\n[l] {sid}: {host} (rank 2 of 3) powered off, went on on two; "
+          f"{time.monotonic() - t0:.0f} s")
