@@ -386,7 +386,7 @@ class Controller(HeadAPI, PlacementTurn):
                 job.distributed.interface) for r in ranks], timeout=RING_ENDPOINT_S))
         except Exception as e:
             line = self.fault(f"trial {t.id}: the addresses of its ring", e)
-            cause = getattr(e, "cause", None)
+            cause = getattr(e, "cause", None) or e   # a remote error: what the node raised
             if isinstance(cause, ValueError):   # the node has no such interface
                 self.state.move(t.id, TrialState.FAILED, line, message=_one_line(e))
                 self._maybe_done(t.sweep)

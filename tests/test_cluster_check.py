@@ -9,6 +9,8 @@ import json
 import subprocess
 import threading
 
+import pytest
+
 from segctl.node import link
 from segctl.orchestrator.cluster_check import verdict
 from tests.conftest import assert_one_line_error, segctl
@@ -148,3 +150,14 @@ def test_bad_input_is_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("nodes:\n  - {name: a, memory_gb: 2}\n")
     proc = segctl("cluster", "check", "c.yaml", cwd=tmp_path)
     assert_one_line_error(proc, "c.yaml")
+
+
+def test_a_ring_rank_listens_on_the_named_interface_or_the_fleet_address():
+    from segctl.node.link import ring_endpoint
+    ifaces = [{"name": "lo0x", "kind": "ethernet", "addresses": ["127.0.0.1"], "speed_mbps": None}]
+    host, port = ring_endpoint("lo0x", "198.18.0.99", ifaces).rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    assert ring_endpoint(None, "127.0.0.1", ifaces).startswith("127.0.0.1:")
+    with pytest.raises(ValueError, match=r"distributed.interface: en9: .* no such interface "
+                                         r"with an IPv4 address \(it has: lo0x\)"):
+        ring_endpoint("en9", "127.0.0.1", ifaces)

@@ -387,3 +387,27 @@ def test_a_trial_on_more_nodes_than_are_free_waits_saying_so(tmp_path, payload):
     assert not live(world)
     [(reason,)] = c.state.q("SELECT reason FROM waiting")
     assert reason.startswith("waiting for 3 nodes that fit together (2 free now; 2 up")
+
+
+def test_a_node_without_the_rings_interface_fails_the_trial_saying_so(tmp_path, payload):
+    world = World(names=("a", "b"))
+    spawn = world.spawn
+
+    def spawn_b_without_en9(name):
+        agent = spawn(name)
+        if name == "b":
+            agent.refuse["ring_endpoint"] = ValueError(
+                "distributed.interface: en9: b has no such interface with an IPv4 address "
+                "(it has: eth0)")
+        return agent
+    world.spawn = spawn_b_without_en9
+    c = world.controller(tmp_path)
+    p = sweep_of(payload, "s", segment_size=1)
+    job = p["trials"][0]["job"]
+    job["distributed"] = {"nodes": 2, "interface": "en9"}
+    job["train"]["batch_size"] = 2
+    c.submit(p)
+    world.turns(c, 2)
+    assert not live(world)
+    [t] = c.state.q("SELECT * FROM trials")
+    assert t["state"] == TrialState.FAILED and "en9: b has no such interface" in t["message"]
