@@ -11,7 +11,7 @@ loopback TCP (the ring a lab of Macs forms over its network, without the wire):
   bus bandwidth a ring reaches, 2 (N - 1) / N x bytes / seconds;
 - step: `segctl train` of the demo job (batch 4) on N ranks: the median step's
   seconds and its all_sum's seconds and bytes (rank 0's step events), the share
-  of the step the all_sum took;
+  of the step the all_sum took (1 rank: one plain process, no ring);
 - scaling: the model below for an 8B 4-bit LoRA job on 2, 4 and 8 Macs.
 
     python -m bench.distributed --lab [--ranks 2,4] [--with-loopback] > rows.jsonl
@@ -24,6 +24,21 @@ many hosts as the largest ring, is brought up for the run and always taken down
 after it (an error, Ctrl-C or SIGTERM too); a lab already up on the machine is
 left alone and the run skipped (exit 3). --with-loopback measures each ring over
 loopback too, right after the lab's, for a ratio on a shared, noisy machine.
+
+    python -m bench.distributed --steps [--lab] [--ranks 1,2,4] [--shapes demo,qwen3-0.6b]
+        [--iters 4] [--batch 4] [--row-tokens 128] [--dtype float32] > rows.jsonl
+
+measures the step rows only (over loopback, or with --lab one rank per lab host,
+the lab's lifecycle as above; 1 rank: one process, on the machine or in host
+h1, no ring), of a
+model of each shape: `demo` the model `segctl init-demo` writes, `qwen3-0.6b` a
+random model of Qwen3-0.6B's layers, widths and heads (28 x 1024, 16 query and
+8 K/V heads of 128, intermediate 3072; a 32,000-word vocabulary: the ring only
+sees the adapter) in Hugging Face layout (bench.planner_fit's writer, in
+--dtype). The job is the demo's (LoRA rank 8 on every linear of every layer),
+--batch rows a step whatever the ring's size (so step times compare), the rows
+the demo task's letters counting on, about --row-tokens tokens each (every rank
+the same work). A row's compute_s is its step_s less its allreduce_s.
 
 The model: a ring all-reduce of S bytes over N ranks sends 2 (N - 1) / N x S
 bytes per rank over its link, in 2 (N - 1) messages:
@@ -46,6 +61,8 @@ import argparse
 import json
 import os
 import platform
+import random
+import shutil
 import signal
 import socket
 import statistics
@@ -75,6 +92,14 @@ H200_8B_STEP_S = {8192: 4.6341, 32768: 23.1998}   # bench/results/h200-long.json
 # --lab's own folder (its hosts' homes, logs and lab.json), not the default lab's,
 # whose last hosts' folders (kept for post-mortems) an `up` there would replace
 LAB_ROOT = Path("/var/lib/segctl-lab-bench")
+# The step rows' models beside `segctl init-demo`'s (SHAPES["demo"]): arch, layers,
+# hidden, vocab and config.json's other sizes, for bench.planner_fit.write_bench_model
+STEP_MODELS = {
+    "qwen3-0.6b": ("qwen3", 28, 1024, 32000, {
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 3072, "rope_theta": 1e6, "max_position_embeddings": 40960}),
+}
+STEP_TIMEOUT_S = 1800   # a ring of steps, start-up to exit
 
 
 def lora_floats(name: str) -> int:
@@ -190,9 +215,16 @@ def allreduce_row(name: str, n: int, lab: Lab | None, folder: Path) -> dict:
         out.update(link="loopback", where="loopback")
     else:
         out.update(link="veth", where="lab", hosts=[h.address for h in lab.hosts[:n]])
-    if n > (os.cpu_count() or 1):
-        out["note"] = f"{n} ranks on {os.cpu_count()} cores: measures the CPU, not the link"
+    note = cpu_note(n)
+    if note:
+        out["note"] = note
     return out
+
+
+def cpu_note(n: int, cores: int | None = None) -> str | None:
+    """What a row of n ranks on this machine's cores measures, when not the link."""
+    cores = cores or os.cpu_count() or 1
+    return f"{n} ranks on {cores} cores: measures the CPU, not the link" if n > cores else None
 
 
 def bench_allreduce(ranks: list[int], folder: Path, lab: Lab | None = None,
@@ -223,9 +255,11 @@ def lab_busy(root: Path) -> str | None:
     return None
 
 
-def bench_lab(ranks: list[int], folder: Path, root: Path, with_loopback: bool) -> None:
-    """The allreduce rows between lab hosts: a lab of max(ranks) hosts brought up
-    at `root`, measured, and taken down whatever happens (SIGTERM too)."""
+def bench_lab(ranks: list[int], folder: Path, root: Path, with_loopback: bool = False,
+              work: Callable[[Lab], None] | None = None) -> None:
+    """Rows between lab hosts: a lab of max(ranks) hosts brought up at `root`,
+    measured by `work(lab)` (default: the allreduce rows), and taken down whatever
+    happens (SIGTERM too)."""
     from segctl import lab
     busy = lab_busy(root)
     if busy:
@@ -248,7 +282,10 @@ def bench_lab(ranks: list[int], folder: Path, root: Path, with_loopback: bool) -
         try:
             print(f"bench.distributed: lab of {len(made.hosts)} hosts up at {made.root}",
                   file=sys.stderr, flush=True)
-            bench_allreduce(ranks, folder, made, with_loopback)
+            if work is None:
+                bench_allreduce(ranks, folder, made, with_loopback)
+            else:
+                work(made)
         finally:
             lab.down(made.root)
             print("bench.distributed: lab down", file=sys.stderr, flush=True)
@@ -256,38 +293,125 @@ def bench_lab(ranks: list[int], folder: Path, root: Path, with_loopback: bool) -
         signal.signal(signal.SIGTERM, previous)
 
 
-def bench_step(ranks: list[int], iters: int, folder: Path) -> None:
+def step_data(n: int, tokens: int, seed: int = 0) -> list[dict]:
+    """n rows of the demo's task ("after q" -> "r s t ..."), the letters counting on
+    past "z" from "j" (the demo's letters, one token each in its tokenizers) so
+    that every row runs about `tokens` tokens (the chat template and prompt are 12
+    to 22 more: 16 counted)."""
+    from segctl.engine.demo import START_LETTERS
+    rng = random.Random(seed)
+    letters = START_LETTERS + "z"
+    words = max(1, tokens - 16)
+    out = []
+    for _ in range(n):
+        start = rng.randrange(len(START_LETTERS))
+        out.append({"prompt": f"after {letters[start]}", "completion": " ".join(
+            letters[(start + 1 + i) % len(letters)] for i in range(words))})
+    return out
+
+
+def step_jobs(base: dict, where: str, n: int, *, iters: int, batch: int) -> list[dict]:
+    """The job of each of n ranks: the demo job `base` with its model, data and
+    output under `where` (the folder as the ranks see it), `batch` rows a step
+    (the whole ring's), `iters` steps, no evals or checkpoints."""
+    jobs = []
+    for r in range(n):
+        job = dict(base, model=f"{where}/model", output=f"{where}/out-{n}-{r}",
+                   distributed={"nodes": n, "timeout_s": float(STEP_TIMEOUT_S)})
+        job["data"] = dict(base["data"], train=f"{where}/data/train.jsonl", valid=None)
+        job["train"] = {k: v for k, v in base["train"].items()
+                        if k not in ("eval_every", "checkpoint_every", "val_batches")}
+        job["train"].update(iters=iters, batch_size=batch, warmup=0)
+        jobs.append(job)
+    return jobs
+
+
+def step_row(stdout: str) -> dict:
+    """A step row's numbers from rank 0's `segctl train --json` output: the medians
+    of its steps but the first (which builds everything)."""
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    steps = [e for e in events if e.get("event") == "step"][1:]
+    if not steps:
+        raise ValueError("no step events past the first")
+    step_s = statistics.median(e["seconds"] for e in steps)
+    ar = statistics.median(e.get("allreduce_s") or 0.0 for e in steps)
+    return dict(rows=steps[-1]["rows"], steps=len(steps),
+                row_tokens=round(statistics.median((e.get("seq_tokens") or 0)
+                                                   / (e.get("rank_rows") or e["rows"]) for e in steps), 1),
+                step_s=round(step_s, 4), compute_s=round(step_s - ar, 4), allreduce_s=round(ar, 5),
+                allreduce_bytes=steps[-1].get("allreduce_bytes") or 0,
+                allreduce_share=round(ar / step_s, 4),
+                tokens_per_s=round(statistics.median(e["tokens_per_s"] for e in steps), 1))
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)   # one copy on the disk for every host
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def step_folder(shape: str, folder: Path, demo: Path, row_tokens: int | None, dtype: str) -> Path:
+    """folder/step-SHAPE: the model of `shape` and data/train.jsonl (the demo's own
+    rows, or rows of about row_tokens tokens)."""
+    src = folder / f"step-{shape}"
+    (src / "data").mkdir(parents=True)
+    if shape == "demo":
+        shutil.copytree(demo / "model", src / "model", copy_function=_link)
+    else:
+        from bench.planner_fit import write_bench_model
+        arch, layers, hidden, vocab, config = STEP_MODELS[shape]
+        write_bench_model(src / "model", arch, layers, hidden, vocab, dtype, config)
+    train = src / "data" / "train.jsonl"
+    if row_tokens is None:
+        shutil.copy2(demo / "data" / "train.jsonl", train)
+    else:
+        train.write_text("".join(json.dumps(r) + "\n" for r in step_data(64, row_tokens)))
+    return src
+
+
+def bench_step(ranks: list[int], iters: int, folder: Path, shapes: list[str] | None = None,
+               lab: Lab | None = None, batch: int = 4, row_tokens: int | None = None,
+               dtype: str = "float32") -> None:
+    """The step rows: `segctl train` of the demo job on a model of each shape, on
+    each ring size over loopback, or (`lab`) one rank in each of the lab's first n
+    hosts, their files in each host's own /tmp (1 rank: one process, no ring)."""
     import yaml
     demo = folder / "demo"
     subprocess.run([sys.executable, "-m", "segctl.orchestrator.cli", "init-demo", str(demo)],
                    check=True, capture_output=True, cwd=ROOT)
-    for n in ranks:
-        base = yaml.safe_load((demo / "job.yaml").read_text())
-        jobs = []
-        for r in range(n):
-            job = dict(base, model=str(demo / "model"), output=str(folder / f"out-{n}-{r}"),
-                       distributed={"nodes": n})
-            job["data"] = dict(base["data"], train=str(demo / "data" / "train.jsonl"), valid=None)
-            job["train"] = {k: v for k, v in base["train"].items()
-                            if k not in ("eval_every", "checkpoint_every", "val_batches")}
-            job["train"].update(iters=iters, batch_size=4, warmup=0)
-            path = folder / f"job-{n}-{r}.yaml"
-            path.write_text(yaml.safe_dump(job))
-            jobs.append(path)
-        argv = lambda r: [sys.executable, "-m", "segctl.orchestrator.cli", "train", str(jobs[r]), "--json"]
-        if n == 1:
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
-            done = [subprocess.run(argv(0), capture_output=True, text=True, cwd=ROOT, env=env, check=True)]
-        else:
-            done = _ring(argv, n, folder)
-        steps = [json.loads(line) for line in done[0].stdout.splitlines() if '"step"' in line]
-        steps = [e for e in steps if e.get("event") == "step"][1:]   # the first builds everything
-        step_s = statistics.median(e["seconds"] for e in steps)
-        ar = statistics.median(e.get("allreduce_s") or 0.0 for e in steps)
-        row(bench="step", model="demo", ranks=n, rows=4, steps=len(steps), step_s=round(step_s, 4),
-            allreduce_s=round(ar, 5), allreduce_bytes=steps[-1].get("allreduce_bytes") or 0,
-            allreduce_share=round(ar / step_s, 4), tokens_per_s=round(statistics.median(
-                e["tokens_per_s"] for e in steps), 1), link="loopback")
+    base = yaml.safe_load((demo / "job.yaml").read_text())
+    for shape in shapes or ["demo"]:
+        src = step_folder(shape, folder, demo, row_tokens, dtype)
+        where = f"/tmp/{src.name}" if lab is not None else str(src)
+        for n in ranks:
+            for r, job in enumerate(step_jobs(base, where, n, iters=iters, batch=batch)):
+                (src / f"job-{n}-{r}.yaml").write_text(yaml.safe_dump(job))
+        hosts = lab.hosts[:max(ranks)] if lab is not None else []
+        placed = [h.home.parent / "tmp" / src.name for h in hosts]   # as this machine sees them
+        try:
+            for path in placed:
+                shutil.copytree(src, path, copy_function=_link)
+            for n in ranks:
+                def argv(r: int, n: int = n) -> list[str]:
+                    return [sys.executable, "-m", "segctl.orchestrator.cli", "train",
+                            f"{where}/job-{n}-{r}.yaml", "--json"]
+                [first, *_] = _ring(argv, n, folder, timeout=STEP_TIMEOUT_S, lab=lab)
+                out = dict(bench="step", model=shape, ranks=n,
+                           dtype="float32" if shape == "demo" else dtype, **step_row(first.stdout))
+                if lab is None:
+                    out.update(where="loopback", link="loopback" if n > 1 else "none")
+                else:
+                    out.update(where="lab", link="veth" if n > 1 else "none",
+                               hosts=[h.address for h in lab.hosts[:n]])
+                note = cpu_note(n)
+                if note:
+                    out["note"] = note
+                row(**out)
+        finally:
+            for path in placed:
+                shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(src, ignore_errors=True)
 
 
 def scaling_rows() -> list[dict]:
@@ -327,21 +451,53 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.distributed", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="1,2,4", help="ring sizes to measure (default 1,2,4)")
-    ap.add_argument("--iters", type=int, default=6, help="steps of the demo job per ring size")
+    ap.add_argument("--iters", type=int, default=6,
+                    help="steps of the demo job per ring size (the first is not counted)")
     ap.add_argument("--lab", action="store_true",
-                    help="the allreduce rows between the hosts of a lab (one rank per host) only")
+                    help="between the hosts of a lab (one rank per host): the allreduce rows only, "
+                         "or with --steps the step rows only")
     ap.add_argument("--with-loopback", action="store_true",
-                    help="with --lab: each ring over loopback too, right after the lab's")
+                    help="with --lab: each allreduce ring over loopback too, right after the lab's")
     ap.add_argument("--lab-root", type=Path, default=LAB_ROOT,
                     help=f"with --lab: the lab's folder (default {LAB_ROOT})")
+    ap.add_argument("--steps", action="store_true",
+                    help="the step rows only (over loopback, or with --lab between lab hosts)")
+    ap.add_argument("--shapes", default=None,
+                    help=f"the step rows' models, of {', '.join(['demo', *STEP_MODELS])} "
+                         "(default: demo; with --steps: all)")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="rows a step, the whole ring's (default 4)")
+    ap.add_argument("--row-tokens", type=int, default=None,
+                    help="rows of about this many tokens (default: the demo's own rows; "
+                         "with --steps: 128)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the weights of the step rows' models other than demo (default float32: "
+                         "MLX's CPU multiplies bfloat16 matrices without BLAS, ~27x slower here)")
     a = ap.parse_args(argv)
     ranks = [int(x) for x in a.ranks.split(",")]
+    shapes = (a.shapes.split(",") if a.shapes else ["demo", *STEP_MODELS] if a.steps else ["demo"])
+    unknown = [s for s in shapes if s != "demo" and s not in STEP_MODELS]
+    if unknown:
+        ap.error(f"--shapes: no shape {unknown[0]!r} (of {', '.join(['demo', *STEP_MODELS])})")
+    if a.batch < max(ranks):
+        ap.error(f"--batch {a.batch}: a ring of {max(ranks)} ranks needs {max(ranks)} rows a step")
+    if a.iters < 2:
+        ap.error("--iters: 2 or more (the first step is not counted)")
+    if a.steps and a.with_loopback:
+        ap.error("--with-loopback is for the allreduce rows, not --steps")
+    row_tokens = a.row_tokens if a.row_tokens is not None else 128 if a.steps else None
+
+    def steps(folder: Path, lab: Lab | None = None) -> None:
+        bench_step(ranks, a.iters, folder, shapes, lab=lab, batch=a.batch, row_tokens=row_tokens,
+                   dtype=a.dtype)
+
     if a.lab:
-        if max(ranks) < 2:
+        if not a.steps and max(ranks) < 2:
             ap.error("--lab needs a ring of 2 ranks or more")
         with tempfile.TemporaryDirectory() as d:
             try:
-                bench_lab(ranks, Path(d), a.lab_root, a.with_loopback)
+                bench_lab(ranks, Path(d), a.lab_root, a.with_loopback,
+                          work=(lambda made: steps(Path(d), made)) if a.steps else None)
             except LabBusy as e:
                 print(f"bench.distributed: skipped: {e}; left as it is", file=sys.stderr)
                 sys.exit(3)
@@ -349,10 +505,12 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit("bench.distributed: interrupted")
         return
     with tempfile.TemporaryDirectory() as d:
-        bench_allreduce(ranks, Path(d))
-        bench_step(ranks, a.iters, Path(d))
-    for r in scaling_rows():
-        row(**r)
+        if not a.steps:
+            bench_allreduce(ranks, Path(d))
+        steps(Path(d))
+    if not a.steps:
+        for r in scaling_rows():
+            row(**r)
 
 
 if __name__ == "__main__":
