@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# The whole suite as two runs side by side: the lab (tests/lab: hosts in network
-# namespaces, mostly waiting out real faults: a 30-s link cut, a host powered off,
-# head restarts), then the fleet end to end on this machine (tests/test_fleet_e2e.py,
-# whose trials also wait on Ray), and everything else, which is CPU-bound and runs
-# at a lower CPU priority so that the lab's own timeouts hold. On two cores this
-# takes the lab's ~11 minutes and the fleet's ~3 off the wall time. The side
-# lane's output is printed after the rest's; the exit status is the first failure's.
+# The whole suite as two runs side by side: a side lane of what mostly waits (the
+# lab, tests/lab: hosts in network namespaces waiting out real faults, a 30-s link
+# cut, a host powered off, head restarts; then the fleet on this machine,
+# tests/test_fleet_e2e.py and tests/test_asha_fleet.py, whose trials wait on Ray)
+# and everything else, which is CPU-bound and runs at a lower CPU priority so that
+# the lab's own timeouts hold. On two cores this takes the side lane's ~14
+# minutes off the wall time. The side lane's output is printed after the rest's;
+# the exit status is the first failure's.
 #   tests/run.sh PYTHON [pytest args for the rest]
 set -u
 py=$1
 shift
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$py" -m pytest -q tests/lab tests/test_fleet_e2e.py --basetemp="$tmp/lab" > "$tmp/lab.log" 2>&1 &
+side="tests/lab tests/test_fleet_e2e.py tests/test_asha_fleet.py"
+"$py" -m pytest -q $side --basetemp="$tmp/lab" > "$tmp/lab.log" 2>&1 &
 lab=$!
-nice -n 10 "$py" -m pytest -q --ignore=tests/lab --ignore=tests/test_fleet_e2e.py "$@"
+nice -n 10 "$py" -m pytest -q $(printf -- "--ignore=%s " $side) "$@"
 rest=$?
 wait "$lab"
 labrc=$?
-echo "====== tests/lab and tests/test_fleet_e2e.py (ran alongside the above) ======"
+echo "====== $side (ran alongside the above) ======"
 cat "$tmp/lab.log"
 # pytest's 5 is "no tests collected": a lab lane with nothing to run is not a failure
 [ "$labrc" -eq 5 ] && labrc=0

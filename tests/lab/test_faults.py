@@ -574,7 +574,7 @@ RING = {"distributed.nodes": 2, "distributed.timeout_s": 10, "train.batch_size":
 _ring_reference: dict = {}   # the grid of a ring trial -> its undisturbed adapter
 
 
-def ring_trial(lab, name: str, iters: int = 120, grid: dict = RING) -> str:
+def ring_trial(lab, name: str, iters: int = 60, grid: dict = RING) -> str:
     return submit(lab, name, trials=1, iters=iters, every=10, grid=grid)
 
 
