@@ -67,15 +67,23 @@ def test_a_lab_ring_runs_one_rank_per_host_on_its_address():
         assert {f"MLX_RANK={r}", "MLX_HOSTFILE=/tmp/hosts-2.json", f"PYTHONPATH={ROOT}"} <= set(argv)
 
 
-def test_the_lab_is_taken_down_whatever_the_bench_does(monkeypatch, tmp_path):
-    import bench.distributed as bd
+def fake_lab(monkeypatch, tmp_path) -> tuple[list, object]:
+    """segctl.lab with up and down recorded in `calls` (no lab is made), and the Lab
+    that up returns."""
     from segctl import lab
-    calls = []
+    calls: list = []
     made = lab.Lab(root=tmp_path, hosts=[])
     monkeypatch.setattr(lab, "load", lambda root=None: None)
     monkeypatch.setattr(lab, "why_not", lambda: None)
     monkeypatch.setattr(lab, "up", lambda n, root: calls.append(("up", n)) or made)
     monkeypatch.setattr(lab, "down", lambda root: calls.append(("down", root)))
+    return calls, made
+
+
+def test_the_lab_is_taken_down_whatever_the_bench_does(monkeypatch, tmp_path):
+    import bench.distributed as bd
+    from segctl import lab
+    calls, made = fake_lab(monkeypatch, tmp_path)
     for error in (RuntimeError("a rank hung"), KeyboardInterrupt()):
         def fail(*a, error=error, **kw):
             raise error
@@ -167,13 +175,7 @@ def test_a_step_row_is_rank_0s_medians_past_the_first_step():
 
 def test_the_lab_runs_the_step_rows_and_is_taken_down(monkeypatch, tmp_path):
     import bench.distributed as bd
-    from segctl import lab
-    calls = []
-    made = lab.Lab(root=tmp_path, hosts=[])
-    monkeypatch.setattr(lab, "load", lambda root=None: None)
-    monkeypatch.setattr(lab, "why_not", lambda: None)
-    monkeypatch.setattr(lab, "up", lambda n, root: calls.append(("up", n)) or made)
-    monkeypatch.setattr(lab, "down", lambda root: calls.append(("down", root)))
+    calls, made = fake_lab(monkeypatch, tmp_path)
     monkeypatch.setattr(bd, "bench_allreduce", lambda *a, **kw: calls.append("allreduce"))
     bd.bench_lab([1, 2, 4], tmp_path, tmp_path, work=lambda there: calls.append(("steps", there)))
     assert calls == [("up", 4), ("steps", made), ("down", tmp_path)]

@@ -608,6 +608,18 @@ def ring_victim(lab, sid: str) -> tuple[dict, str]:
     return a, nodes[1]
 
 
+def off_until_done(lab, sid: str, host: str) -> None:
+    """`host` powered off while sweep `sid` finishes on the other nodes; then, once
+    Ray has found it gone, back on and joined to the fleet again."""
+    power_off(lab, host)
+    try:
+        wait_done(lab, sid, 180)
+    finally:
+        assert wait_for(lambda: host not in alive_nodes(lab), 90, every=2), alive_nodes(lab)
+        lablib.restart_host(lab, host)
+        run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
+
+
 def ring_ended(got: dict, victim: dict) -> None:
     """The victim attempt ended as a lost node, named, and the trial went on from
     a checkpoint, on two nodes, to SUCCEEDED."""
@@ -641,13 +653,7 @@ def test_h_a_ring_host_powered_off(whole, watch):
     t0 = time.monotonic()
     sid = ring_trial(lab, "ringpower")
     victim, host = ring_victim(lab, sid)
-    power_off(lab, host)
-    try:
-        wait_done(lab, sid, 180)   # the trial goes on on the other two nodes
-    finally:
-        assert wait_for(lambda: host not in alive_nodes(lab), 90, every=2), alive_nodes(lab)
-        lablib.restart_host(lab, host)
-        run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
+    off_until_done(lab, sid, host)   # the trial goes on on the other nodes
     got = check(lab, sid, watch)
     ring_ended(got, victim)
     assert host not in later_attempts(got, victim)[0]["node"].split(",")
@@ -728,13 +734,7 @@ def test_l_a_ring_of_three_resumes_on_its_min_nodes_two(whole, watch):
     sid = ring_trial(lab, "ringmin", grid=grid)
     victim = first_running(lab, sid, min_step=21)
     host = victim["node"].split(",")[2]
-    power_off(lab, host)
-    try:
-        wait_done(lab, sid, 180)
-    finally:
-        assert wait_for(lambda: host not in alive_nodes(lab), 90, every=2), alive_nodes(lab)
-        lablib.restart_host(lab, host)
-        run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
+    off_until_done(lab, sid, host)
     got = check(lab, sid, watch)
     [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
     assert ended["outcome"] == Outcome.NODE_LOST, ended
