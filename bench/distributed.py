@@ -209,16 +209,21 @@ def allreduce_row(name: str, n: int, lab: Lab | None, folder: Path) -> dict:
                                    str(floats)], n, folder, lab=lab)
     s = json.loads(first.stdout.strip().splitlines()[-1])["seconds"]
     nbytes = 4 * floats
-    out = dict(bench="allreduce", model=name, ranks=n, floats=floats, bytes=nbytes,
-               seconds=round(s, 5), bus_gbps=round(2 * (n - 1) / n * nbytes / s / 1e9, 3))
-    if lab is None:
-        out.update(link="loopback", where="loopback")
-    else:
-        out.update(link="veth", where="lab", hosts=[h.address for h in lab.hosts[:n]])
+    return dict(bench="allreduce", model=name, ranks=n, floats=floats, bytes=nbytes,
+                seconds=round(s, 5), bus_gbps=round(2 * (n - 1) / n * nbytes / s / 1e9, 3),
+                **ring_fields(n, lab))
+
+
+def ring_fields(n: int, lab: Lab | None) -> dict:
+    """Where a row's n ranks ran: over loopback, or one in each of the lab's first
+    n hosts (their addresses); the link between them ("none" for one rank), and
+    the CPU note where n ranks outnumber the cores."""
+    out: dict = ({"where": "loopback", "link": "loopback"} if lab is None else
+                 {"where": "lab", "link": "veth", "hosts": [h.address for h in lab.hosts[:n]]})
+    if n == 1:
+        out["link"] = "none"
     note = cpu_note(n)
-    if note:
-        out["note"] = note
-    return out
+    return dict(out, note=note) if note else out
 
 
 def cpu_note(n: int, cores: int | None = None) -> str | None:
@@ -397,17 +402,9 @@ def bench_step(ranks: list[int], iters: int, folder: Path, shapes: list[str] | N
                     return [sys.executable, "-m", "segctl.orchestrator.cli", "train",
                             f"{where}/job-{n}-{r}.yaml", "--json"]
                 [first, *_] = _ring(argv, n, folder, timeout=STEP_TIMEOUT_S, lab=lab)
-                out = dict(bench="step", model=shape, ranks=n,
-                           dtype="float32" if shape == "demo" else dtype, **step_row(first.stdout))
-                if lab is None:
-                    out.update(where="loopback", link="loopback" if n > 1 else "none")
-                else:
-                    out.update(where="lab", link="veth" if n > 1 else "none",
-                               hosts=[h.address for h in lab.hosts[:n]])
-                note = cpu_note(n)
-                if note:
-                    out["note"] = note
-                row(**out)
+                row(bench="step", model=shape, ranks=n,
+                    dtype="float32" if shape == "demo" else dtype, **step_row(first.stdout),
+                    **ring_fields(n, lab))
         finally:
             for path in placed:
                 shutil.rmtree(path, ignore_errors=True)

@@ -8,7 +8,14 @@ wakes the loop; nothing here places or decides an attempt's outcome.
 
 from __future__ import annotations
 
-from segctl.schemas.records import TERMINAL, AttemptStatus, SweepState, TrialState, TuneState
+from segctl.schemas.records import (
+    TERMINAL,
+    AttemptStatus,
+    SweepState,
+    TrialState,
+    TuneState,
+    attempt_nodes,
+)
 
 from . import asha, probing
 from .controller_base import ControllerBase
@@ -59,10 +66,14 @@ class HeadAPI(ControllerBase):
         """Ask the agents running trial `tid`'s attempts to end them (each comes back
         through `finish`, which finds its trial terminal already)."""
         for a in self.state.open_attempts(tid):
-            for node in a["node"].split(","):   # an attempt on several nodes: each rank
-                agent = self.agents.get(node)
-                if agent is not None:
-                    agent.cancel.remote(a["id"])
+            self._cancel_on(a["id"], attempt_nodes(a["node"]))   # several nodes: each rank
+
+    def _cancel_on(self, aid: int, nodes) -> None:
+        """Ask the agents of `nodes` (those up) to end attempt `aid` there."""
+        for node in nodes:
+            agent = self.agents.get(node)
+            if agent is not None:
+                agent.cancel.remote(aid)
 
     def resume(self, sid: str) -> dict:
         with self.mu:

@@ -62,6 +62,7 @@ from segctl.schemas.records import (
     Outcome,
     SweepState,
     TrialState,
+    nodes_field,
 )
 
 from . import outcomes, placement, probing
@@ -93,13 +94,11 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
         ray.exceptions.OwnerDiedError)
 
 
-class Gang:
-    """The ranks of an attempt on several nodes (`nodes`, rank 0 first): how each
-    ended, as they end ((rank, node, result)), and whether the rest were cancelled."""
-    def __init__(self, nodes: list[str]):
-        self.nodes = nodes
-        self.ends: list[tuple[int, str, AttemptResult]] = []
-        self.cancelled = False
+class Gang(NamedTuple):
+    """The ranks of an attempt on several nodes (`nodes`, rank 0 first) and how
+    each ended, as they end ((rank, node, result))."""
+    nodes: list[str]
+    ends: list[tuple[int, str, AttemptResult]]
 
 
 class Flight(NamedTuple):
@@ -227,16 +226,15 @@ class Controller(HeadAPI, PlacementTurn):
         ended, the attempt's end (outcomes.ranks_ended) is filed as one."""
         g = self.gangs[aid]
         result = self._result(ref, aid, node)
+        first_to_fail = result.outcome != Outcome.SUCCEEDED and all(
+            r.outcome == Outcome.SUCCEEDED for _, _, r in g.ends)
         g.ends.append((g.nodes.index(node), node, result))
         with self.mu:
             self.held.get(node, {}).pop(aid, None)
             self.free_since[node] = result.ended or self.clock()
-        if result.outcome != Outcome.SUCCEEDED and not g.cancelled:
-            g.cancelled = True
-            for other in set(g.nodes) - {n for _, n, _ in g.ends}:
-                if other in self.agents:
-                    self.guarded(f"attempt {aid}: cancelling its rank on {other}",
-                                 self.agents[other].cancel.remote, aid)
+        if first_to_fail:   # the ranks still out are cancelled, once
+            self.guarded(f"attempt {aid}: cancelling its other ranks", self._cancel_on, aid,
+                         [n for n in g.nodes if n not in {e[1] for e in g.ends}])
         if len(g.ends) == len(g.nodes):
             del self.gangs[aid]
             ended = outcomes.ranks_ended(aid, g.ends)
@@ -336,7 +334,7 @@ class Controller(HeadAPI, PlacementTurn):
         ring = self._ring(t, job, ranks) if d.ranks else []
         if ring is None:
             return None
-        names = ",".join(r.node.name for r in ranks)
+        names = nodes_field([r.node.name for r in ranks])
         # Runnable since: the trial was pending and its nodes were free (the latest).
         ready = max([t.runnable_since] + [self.free_since.get(r.node.name, 0.0) for r in ranks])
         aid = self.state.add_attempt(tid, node=names, chip=node.chip,
@@ -354,7 +352,7 @@ class Controller(HeadAPI, PlacementTurn):
                         f"({plan.source}), {how}",
                         attempt=aid)
         if d.ranks:
-            self.gangs[aid] = Gang(nodes=[r.node.name for r in ranks])
+            self.gangs[aid] = Gang(nodes=[r.node.name for r in ranks], ends=[])
         if len(ranks) != job.distributed.nodes:   # a retry on fewer, down to its min_nodes
             job = job.model_copy(update={"distributed": job.distributed.model_copy(
                 update={"nodes": len(ranks), "min_nodes": None})})

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from segctl.schemas.names import EXIT_RANK_LOST
-from segctl.schemas.records import OUTCOME_MOVES, AttemptResult, NodeInfo, Outcome, TrialState
+from segctl.schemas.records import (
+    OUTCOME_MOVES,
+    AttemptResult,
+    NodeInfo,
+    Outcome,
+    TrialState,
+    attempt_nodes,
+)
 
 from .snapshot import Attempt, Trial
 
@@ -131,7 +138,7 @@ def broke_on(last: Optional[Attempt]) -> tuple[str, ...]:
     """The node(s) a trial's last attempt ended on as lost or with its agent failing
     (a retry goes elsewhere where it can); all of them for an attempt on several."""
     if last and last.outcome in (Outcome.NODE_LOST, Outcome.AGENT_ERROR):
-        return tuple(last.node.split(","))
+        return tuple(attempt_nodes(last.node))
     return ()
 
 

@@ -27,6 +27,17 @@ from .states import (  # noqa: F401
 )
 
 
+def attempt_nodes(node: str) -> list[str]:
+    """The nodes of an attempt as state.db names them (its `node`): one, or those
+    of a trial on several nodes, rank 0 first, joined by commas (`nodes_field`)."""
+    return node.split(",")
+
+
+def nodes_field(names: list[str]) -> str:
+    """An attempt's `node` in state.db for its nodes, rank 0 first."""
+    return ",".join(names)
+
+
 class Plan(BaseModel):
     """The planner's answer for one trial on one node class."""
     segment_size: int

@@ -51,7 +51,7 @@ def test_a_short_run_prints_allreduce_step_and_scaling_rows():
 def test_a_lab_ring_runs_one_rank_per_host_on_its_address():
     from pathlib import Path
 
-    from bench.distributed import lab_rank_argvs, ring_hosts
+    from bench.distributed import lab_rank_argvs, ring_fields, ring_hosts
     from segctl.lab import Host
     assert ring_hosts(["198.18.0.11", "198.18.0.12"], [5001, 5002]) == [
         ["198.18.0.11:5001"], ["198.18.0.12:5002"]]
@@ -60,6 +60,11 @@ def test_a_lab_ring_runs_one_rank_per_host_on_its_address():
     hosts = [Host(name=f"h{i}", address=f"198.18.0.1{i}", netns=f"seglab-h{i}", veth=f"seglab{i}",
                   home=Path(f"/lab/h{i}/home"), sshd_pid=4200 + i, sshd_started="t") for i in (1, 2)]
     argvs = lab_rank_argvs(hosts, lambda r: ["python", "-m", "x", str(r)], "/tmp/hosts-2.json")
+    # where a row's ranks ran, as the rows say it
+    from segctl.lab import Lab
+    assert ring_fields(2, None) == {"where": "loopback", "link": "loopback"}
+    assert ring_fields(1, Lab(root=Path("/lab"), hosts=hosts)) == {
+        "where": "lab", "link": "none", "hosts": ["198.18.0.11"]}
     for r, argv in enumerate(argvs):
         # entered through the host's sshd (its network), the rank's argv last
         assert argv[argv.index("-t") + 1] == str(hosts[r].sshd_pid) and "-n" in argv

@@ -72,6 +72,7 @@ def cluster_status(cluster_file, as_json: bool):
     Ray node (the head too): its address and the TCP ports its Ray processes
     listen on, with the address each is bound to ("*": every interface)."""
     from segctl.orchestrator import fleet, state
+    from segctl.schemas.records import attempt_nodes
     spec = _cluster(cluster_file)
     try:
         fleet.connect(spec, start=False)
@@ -81,7 +82,7 @@ def cluster_status(cluster_file, as_json: bool):
     db = _root(spec) / "state.db"
     if db.exists():
         for a in state.read(db).open_attempts():
-            for node in a["node"].split(","):   # an attempt on several nodes: each one
+            for node in attempt_nodes(a["node"]):   # an attempt on several nodes: each one
                 running.setdefault(node, []).append(a["trial"])   # up to its max_trials
     ray_nodes = fleet.ports()
     where = {name: r for r in ray_nodes for name in r["names"]}
