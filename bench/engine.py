@@ -196,6 +196,11 @@ def run(args) -> dict:
             mx.eval(state, loss)
             return loss
 
+    if args.optimizer_state:
+        # The optimizer's moments made before the first step, as they stand from the
+        # second step on: one step measures a run's steady peak (no update is made).
+        opt.init(model.trainable_parameters())
+        mx.eval(opt.state)
     times, peaks, losses = [], [], []
     for _ in range(args.steps):
         phases.clear()
@@ -238,6 +243,7 @@ def run(args) -> dict:
         "first_step_s": round(times[0], 4),
         "loss": round(losses[0], 4),
         "steps": args.steps,
+        "optimizer_state": args.optimizer_state or None,
         "device": str(mx.default_device()),
         "device_name": _device_name(),
     }
@@ -345,6 +351,9 @@ def parse(argv=None):
                    help="segctl: with --mlp-chunk, run the layers that may rows apart, a chunk at "
                         "a time (engine/rows.py); --no-rows keeps every layer's light parts whole")
     p.add_argument("--phases", action="store_true", help="add per-phase peaks (segctl only)")
+    p.add_argument("--optimizer-state", action="store_true",
+                   help="make the optimizer's state before the first step, so a one-step run "
+                        "peaks as every later step does")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
     return p.parse_args(argv)
 

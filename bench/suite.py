@@ -165,13 +165,18 @@ PLANS = {
     # tile by tile: most wanted first. (gpt-oss's 64 heads: 256-row blocks at 64K,
     # though its rows at 1024 and 256 peaked alike, results/h100-long-families.jsonl.)
     # A gpt-oss row at 64K takes ~7 minutes, a fresh machine's first row minutes more.
-    "gpu-long-families": [dict(GPT_OSS_20B, seq=65536, **dict(_seg(4096, offload=True),
-                                                               attn_block=256)),
+    # gpt-oss's rows with the optimizer's state made first (`--optimizer-state`): a
+    # LoRA on each of its 32 experts a layer is 0.9 GB of moments that a first step
+    # alone never holds. Gemma-4 at 32K to 128K, the boundaries on disk; and at 32K
+    # in memory, where the planner is furthest over (bench/README.md).
+    "gpu-long-families": [dict(GPT_OSS_20B, seq=65536, optimizer_state=True,
+                               **dict(_seg(4096, offload=True), attn_block=256)),
                           dict(GEMMA4_E2B, seq=131072, **_seg(4096, offload=True), steps=1),
-                          dict(GPT_OSS_20B, seq=32768, **dict(_seg(4096, offload=True),
-                                                              attn_block=512)),
+                          dict(GPT_OSS_20B, seq=32768, optimizer_state=True,
+                               **dict(_seg(4096, offload=True), attn_block=512)),
                           dict(GEMMA4_E2B, seq=32768, **_seg(4096), steps=1),
-                          dict(GEMMA4_E2B, seq=65536, **_seg(4096, offload=True), steps=1),
+                          *(dict(GEMMA4_E2B, seq=seq, **_seg(4096, offload=True), steps=1)
+                            for seq in (32768, 49152, 65536, 98304)),
                           dict(GEMMA4_E2B, seq=32768, **MLX_CKPT, steps=1),
                           dict(GPT_OSS_20B, seq=32768, **MLX_CKPT)],
     # Which layers run rows apart on this device (a row's `rows`, `tokenwise`,

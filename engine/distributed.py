@@ -16,7 +16,8 @@ and their sums added. Rank 0 alone writes checkpoints, the adapter and evals.
 
 A rank learns where it stands from MLX's own environment, which whoever starts
 the ranks sets (a fleet's agents; a test): MLX_RANK and, for the ring, MLX_HOSTFILE
-(a JSON list, per rank, of its "host:port"). A collective that makes no progress
+(a JSON list, per rank, of its "host:port"); for JACCL, MLX_JACCL_COORDINATOR and
+MLX_IBV_DEVICES (`ring_environ`). A collective that makes no progress
 for `distributed.timeout_s` ends the process (EXIT_RANK_LOST); a ring that does
 not form in that time, SIGALRM: a rank whose peer is gone never hangs, and its
 attempt ends as a lost node does.
@@ -24,6 +25,7 @@ attempt ends as a lost node does.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -42,6 +44,9 @@ from segctl.schemas.job import DistributedSpec
 from segctl.schemas.names import EXIT_RANK_LOST
 
 RANK_ENV, HOSTFILE_ENV = "MLX_RANK", "MLX_HOSTFILE"
+# JACCL (RDMA over Thunderbolt 5): rank 0's "ip:port", where the ranks meet first, and
+# a JSON file, per rank, of its RDMA device to each other rank (null for itself)
+COORDINATOR_ENV, DEVICES_ENV = "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES"
 
 
 class RingError(UserError, RuntimeError):
@@ -70,14 +75,16 @@ def join(spec: DistributedSpec, environ=os.environ) -> Ring | None:
     """This process's place in the job's ring; None for a job on one node."""
     if spec.nodes == 1:
         return None
-    needs = [RANK_ENV] + ([HOSTFILE_ENV] if spec.backend == "ring" else [])
+    jaccl = spec.backend == "jaccl"
+    needs = [RANK_ENV] + ([COORDINATOR_ENV, DEVICES_ENV] if jaccl else [HOSTFILE_ENV])
     missing = [k for k in needs if not environ.get(k)]
     if missing:
         raise RingError(f"distributed.nodes: {spec.nodes}: this process is not one of a ring "
                         f"({' and '.join(missing)} unset): run one `segctl train` per node with "
                         f"MLX_RANK=0..{spec.nodes - 1}"
-                        + (" and MLX_HOSTFILE naming every rank's host:port" if spec.backend == "ring"
-                           else ""))
+                        + (" and MLX_JACCL_COORDINATOR (rank 0's ip:port) and MLX_IBV_DEVICES (a "
+                           "JSON file of every rank's RDMA device to every other)" if jaccl else
+                           " and MLX_HOSTFILE naming every rank's host:port"))
     try:
         with _alarm(spec.timeout_s):
             group = mx.distributed.init(strict=True, backend=spec.backend)
@@ -86,6 +93,18 @@ def join(spec: DistributedSpec, environ=os.environ) -> Ring | None:
     if group.size() != spec.nodes:
         raise RingError(f"distributed.nodes: {spec.nodes}, but the ring has {group.size()} ranks")
     return Ring(group=group, rank=group.rank(), size=group.size(), timeout_s=spec.timeout_s)
+
+
+def ring_environ(rank: int, hostfile: str, devices: str | None = None) -> dict[str, str]:
+    """MLX's environment for rank `rank` of a ring whose hostfile (a JSON list of
+    every rank's ["host:port"], rank 0 first) is `hostfile`; with `devices`, JACCL's
+    device file, the environment of a JACCL rank instead, its coordinator rank 0's
+    address from the hostfile."""
+    if devices is None:
+        return {RANK_ENV: str(rank), HOSTFILE_ENV: hostfile}
+    with open(hostfile, encoding="utf-8") as f:
+        first = json.load(f)[0][0]
+    return {RANK_ENV: str(rank), COORDINATOR_ENV: first, DEVICES_ENV: devices}
 
 
 def same_start(ring: Ring | None, step: int) -> None:

@@ -77,9 +77,10 @@ class NodeAgent:
             with self.lock:
                 self.running.pop(spec.attempt, None)
 
-    def ring_endpoint(self, interface: str | None) -> str:
-        """Where this node's rank of a job on several nodes will listen (link.ring_endpoint)."""
-        return ring_endpoint(interface, ray.util.get_node_ip_address())
+    def ring_endpoint(self, interface: str | None, rdma: list[str] | None = None) -> str:
+        """Where this node's rank of a job on several nodes will listen, with the RDMA
+        devices a JACCL rank uses here checked (link.ring_endpoint)."""
+        return ring_endpoint(interface, ray.util.get_node_ip_address(), rdma=rdma or ())
 
     def probe(self, tune: str, spec: ProbeSpec) -> dict:
         """Measure a tune's points here; each one goes to the head as it lands."""

@@ -195,11 +195,16 @@ def run_attempt(spec: AttemptSpec, work: Path, *,
 
 def _ring_args(spec: AttemptSpec, folder: Path) -> list[str]:
     """The worker's arguments for one rank of a job on several nodes: its rank and
-    MLX's hostfile (every rank's host:port), written in the attempt's folder."""
+    MLX's hostfile (every rank's host:port), written in the attempt's folder; over
+    JACCL also its device file (every rank's RDMA device to every other)."""
     if not spec.ring:
         return []
     private_file(folder / "hostfile.json", json.dumps([[a] for a in spec.ring]).encode())
-    return ["--ring", str(spec.rank), str(folder / "hostfile.json")]
+    args = ["--ring", str(spec.rank), str(folder / "hostfile.json")]
+    if spec.rdma:
+        private_file(folder / "rdma.json", json.dumps(spec.rdma).encode())
+        args += ["--rdma", str(folder / "rdma.json")]
+    return args
 
 
 def _seq(n: int, spec: AttemptSpec) -> int:

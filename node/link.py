@@ -138,7 +138,7 @@ def facts(head: str | None = None, run=subprocess.run, platform: str = sys.platf
             "os": hw.os, "python": platform_module.python_version(),
             "versions": {p: _version(p) for p in PACKAGES},
             "token": fingerprint(token.read_text()) if token.is_file() else None,
-            "interfaces": ifaces, "address": address}
+            "interfaces": ifaces, "rdma": rdma_devices(run), "address": address}
 
 
 def _version(package: str) -> str | None:
@@ -219,11 +219,36 @@ def _take(conn: socket.socket, n: int) -> bytes:
     return got
 
 
-def ring_endpoint(interface: str | None, fleet_address: str, ifaces=None) -> str:
+def rdma_devices(run=subprocess.run) -> list[str]:
+    """This machine's RDMA devices as `ibv_devices` lists them (a Mac with RDMA
+    over Thunderbolt 5 enabled: rdma_en2, rdma_en3...); [] where it has none or no
+    such tool (RDMA needs macOS 26.2 or later and `rdma_ctl enable`)."""
+    try:
+        proc = run(["ibv_devices"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    out = []
+    for line in (proc.stdout or "").splitlines() if proc.returncode == 0 else []:
+        first = line.split()[0] if line.split() else ""
+        if first and first != "device" and not first.startswith("-"):
+            out.append(first)
+    return out
+
+
+def ring_endpoint(interface: str | None, fleet_address: str, ifaces=None, rdma=(),
+                  run=subprocess.run) -> str:
     """Where this node's rank of a job on several nodes listens: "address:port", a
     port free now, on the address of `interface` (distributed.interface) or, without
     one, the address the node joined the fleet with. ValueError (one line) when this
-    node has no such interface with an IPv4 address."""
+    node has no such interface with an IPv4 address, or lacks one of the RDMA
+    devices `rdma` (a JACCL rank's, the cluster file's) by `ibv_devices`."""
+    if rdma:
+        devices = rdma_devices(run)
+        missing = [d for d in rdma if d not in devices]
+        if missing:
+            listed = ", ".join(devices) or "none: RDMA needs macOS 26.2+ and rdma_ctl enable"
+            raise ValueError(f"distributed.backend: jaccl: {socket.gethostname()} has no RDMA "
+                             f"device {', '.join(missing)} (ibv_devices lists: {listed})")
     address = fleet_address
     if interface:
         ifaces = interfaces() if ifaces is None else ifaces

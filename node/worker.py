@@ -1,5 +1,5 @@
 """One attempt of a trial, in a fresh process: `python -m segctl.node.worker JOB.json [--resume]
-[--data-cache DIR] [--ring RANK HOSTFILE]`;
+[--data-cache DIR] [--ring RANK HOSTFILE [--rdma DEVICES]]`;
 or the probe points of a tune: `python -m segctl.node.worker --probe SPEC.json`;
 or a spare, `python -m segctl.node.worker --spare`, which imports the engine first
 and then reads one line from stdin, {"args": [...], "cwd": DIR}, and runs as above.
@@ -49,9 +49,10 @@ def main(argv: list[str]) -> int:
     cache = argv[argv.index("--data-cache") + 1] if "--data-cache" in argv[1:] else None
     if "--ring" in argv[1:]:   # one rank of a job on several nodes: MLX's own variables,
         # set here, not in the process's environment, so a spare started earlier serves too
-        from segctl.engine.distributed import HOSTFILE_ENV, RANK_ENV
+        from segctl.engine.distributed import ring_environ
         at = argv.index("--ring")
-        os.environ[RANK_ENV], os.environ[HOSTFILE_ENV] = argv[at + 1], argv[at + 2]
+        rdma = argv[argv.index("--rdma") + 1] if "--rdma" in argv[1:] else None
+        os.environ.update(ring_environ(int(argv[at + 1]), argv[at + 2], rdma))
     with open(path, encoding="utf-8") as f:
         job = JobSpec.model_validate(json.load(f))
     code, message = run_reported(job, resume=resume, emit=telemetry.json_lines(sys.stdout),

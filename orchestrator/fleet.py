@@ -48,6 +48,7 @@ HERE_FILE = "here.json"        # on any machine, under $SEGCTL_HOME: what `node 
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 SSH_TIMEOUT_S = 180
 PARALLEL_SSH = 8
+RDMA_LABEL = "rdma."           # segctl.rdma.<peer> = the node's RDMA device cabled to <peer>
 
 
 def ensure_token(stores: Path) -> Path:
@@ -183,6 +184,8 @@ def node_table(rows: list[dict]) -> tuple[list[NodeInfo], list[str]]:
                 os=ours.get("os", "unknown"), alive=True,
                 max_trials=_label_number(ours, "max_trials", int, MAX_TRIALS_PER_NODE,
                                          DEFAULT_NODE_MAX_TRIALS),
+                rdma={k.removeprefix(RDMA_LABEL): v for k, v in ours.items()
+                      if k.startswith(RDMA_LABEL)},
                 labels={k: v for k, v in labels.items()
                         if not k.startswith(raynode.LABEL) and not k.startswith("ray.io/")}))
         except ValueError as e:
@@ -311,9 +314,17 @@ def ssh_start_command(node, join: str) -> list[str]:
               "--token-stdin"]
     if node.chip and node.chip != "unknown":
         remote += ["--chip", node.chip]
-    for k, v in (node.labels or {}).items():
+    for k, v in node_labels(node).items():
         remote += ["--label", f"{k}={v}"]
     return ssh_argv(node.host or node.name, remote)
+
+
+def node_labels(node) -> dict[str, str]:
+    """The labels `cluster up` starts node `node` (a NodeSpec) with besides its own:
+    the user's, and per RDMA peer `segctl.rdma.<peer>` = this node's device cabled
+    to it (node_table reads them back into NodeInfo.rdma)."""
+    return {**(node.labels or {}),
+            **{f"{raynode.LABEL}{RDMA_LABEL}{peer}": dev for peer, dev in node.rdma.items()}}
 
 
 def ssh_stop_command(host: str) -> list[str]:
@@ -368,7 +379,7 @@ def _start_node(n, info: dict, root: Path, hw: Hardware, ssh) -> dict:
     if n.local:
         started = raynode.start_node(
             address=info["address"], name=n.name, memory_gb=n.memory_gb,
-            chip=n.chip if n.chip != "unknown" else hw.chip, labels=n.labels or {}, hw=hw,
+            chip=n.chip if n.chip != "unknown" else hw.chip, labels=node_labels(n), hw=hw,
             token_path=str(token), log_dir=root / "logs",
             object_store_mb=raynode.LOCAL_OBJECT_STORE_MB, max_trials=n.max_trials)
         return {"pid": started["pid"], "started": started["started"], "local": True, "host": None}

@@ -331,7 +331,8 @@ class Controller(HeadAPI, PlacementTurn):
             self.state.move(tid, TrialState.FAILED, line, message=line)
             return self._maybe_done(t.sweep)
         job = JobSpec.model_validate(t.job)
-        ring = self._ring(t, job, ranks) if d.ranks else []
+        rdma = placement.rdma_matrix([r.node for r in ranks]) if d.ranks and t.over_rdma else []
+        ring = self._ring(t, job, ranks, rdma) if d.ranks else []
         if ring is None:
             return None
         names = nodes_field([r.node.name for r in ranks])
@@ -344,8 +345,8 @@ class Controller(HeadAPI, PlacementTurn):
                                      resume_step=ckpt[0] if ckpt else None, ready=ready)
         how = f"resuming from step {ckpt[0]}" if ckpt else "from the start"
         where = (f"{node.name} ({node.node_class})" if not d.ranks else
-                 f"{len(ranks)} nodes {', '.join(r.node.name for r in ranks)} (ring "
-                 f"{' '.join(ring)})")
+                 f"{len(ranks)} nodes {', '.join(r.node.name for r in ranks)} ("
+                 + (f"jaccl, coordinator {ring[0]}" if rdma else f"ring {' '.join(ring)}") + ")")
         self.state.move(tid, TrialState.PLACED,
                         f"placed on {where} at segment_size "
                         f"{plan.segment_size}, predicted peak {plan.predicted_gb:.3f} GB "
@@ -361,7 +362,7 @@ class Controller(HeadAPI, PlacementTurn):
                                job=resolved(job, r.plan, r.budget_gb), data=data,
                                checkpoint_step=ckpt[0] if ckpt else None,
                                checkpoint=ckpt[1] if ckpt else {}, flush_s=self.flush_s(),
-                               rank=rank, ring=ring)
+                               rank=rank, ring=ring, rdma=rdma)
             try:
                 ended, result = self.agents[r.node.name].run.remote(spec)
             except Exception as e:
@@ -373,15 +374,17 @@ class Controller(HeadAPI, PlacementTurn):
             self.inflight[ended] = Flight(aid, r.node.name, t.sweep, result)
             self.held.setdefault(r.node.name, {})[aid] = r.budget_gb
 
-    def _ring(self, t: Trial, job: JobSpec, ranks: list) -> list[str] | None:
+    def _ring(self, t: Trial, job: JobSpec, ranks: list, rdma: list) -> list[str] | None:
         """Every rank's "host:port" for a trial on several nodes, rank 0 first, each
         node's own answer (its `distributed.interface`, or the address it joined the
-        fleet with; a port free there). None when a node could not say: a node
-        without that interface fails the trial with why; one that does not answer
-        leaves it pending for the next turn."""
+        fleet with; a port free there), each node checking the RDMA devices its
+        JACCL rank uses (`rdma`, rank by rank). None when a node could not say: a
+        node without that interface or device fails the trial with why; one that
+        does not answer leaves it pending for the next turn."""
         try:
             return list(self.get([self.agents[r.node.name].ring_endpoint.remote(
-                job.distributed.interface) for r in ranks], timeout=RING_ENDPOINT_S))
+                job.distributed.interface, [dev for dev in rdma[i] if dev] if rdma else None)
+                for i, r in enumerate(ranks)], timeout=RING_ENDPOINT_S))
         except Exception as e:
             line = self.fault(f"trial {t.id}: the addresses of its ring", e)
             cause = getattr(e, "cause", None) or e   # a remote error: what the node raised

@@ -141,6 +141,13 @@ def place_trial(t: Trial, last: Optional[Attempt], *, placement: dict, margin: f
     broke = broke_on(last)
     fitting.sort(key=lambda np: (np[0].name not in broke, -len(held.get(np[0].name, {})),
                                  np[1].segment_size, -np[0].memory_gb), reverse=True)
+    if t.over_rdma and ranks > 1:   # JACCL: nodes cabled to each other, the most that fit
+        fewest = t.min_nodes if last else ranks
+        fitting = next((m for r in range(ranks, fewest - 1, -1)
+                        if (m := mesh(fitting, r, key=lambda np: np[0]))), [])
+        if not fitting:
+            return Wait(t.id, _why_not_cabled(ranks, nodes, names, by_class))
+        ranks = len(fitting)
     lent = [Rank(n, p, lent_gb(n, p, margin=margin, solo=solo, spare_gb=spare(n, held),
                                own_gb=t.own_budget_gb)) for n, p in fitting[:ranks]]
     return Place(t.id, lent[0].node, lent[0].plan, lent[0].budget_gb, solo, tuple(lent[1:]))
@@ -155,6 +162,41 @@ def _why_not_together(ranks: int, fitting: list, names: set, by_class: dict,
     if len(could) < ranks:
         why += f"; {len(could)} up that it fits: {', '.join(could) or 'none'}"
     return why + ")"
+
+
+def cabled(a: NodeInfo, b: NodeInfo) -> bool:
+    """Whether nodes a and b each name the RDMA device cabled to the other (JACCL)."""
+    return b.name in a.rdma and a.name in b.rdma
+
+
+def mesh(order: list, size: int, key=lambda x: x) -> list:
+    """`size` items of `order` whose nodes (`key`) are all cabled to each other,
+    the earliest in `order` first (greedy from each start in turn); [] if none."""
+    for i, first in enumerate(order):
+        chosen = [first]
+        for x in order[:i] + order[i + 1:]:
+            if len(chosen) < size and all(cabled(key(x), key(c)) for c in chosen):
+                chosen.append(x)
+        if len(chosen) == size:
+            return sorted(chosen, key=order.index)
+    return []
+
+
+def rdma_matrix(nodes: list[NodeInfo]) -> list[list[Optional[str]]]:
+    """JACCL's device file for ranks on `nodes` (rank order): rank i's RDMA device
+    to rank j, None for itself."""
+    return [[None if a is b else a.rdma.get(b.name) for b in nodes] for a in nodes]
+
+
+def _why_not_cabled(ranks: int, nodes: Mapping[str, NodeInfo], names: set, by_class: dict) -> str:
+    """Why a trial over RDMA waits with enough free nodes that fit it: no `ranks` of
+    them are cabled to each other; and which such set of the nodes up it could take."""
+    could = [nodes[n] for n in sorted(names) if by_class[plan_class(nodes[n])].fits]
+    some = mesh(could, ranks)
+    return (f"waiting for {ranks} nodes cabled to each other over RDMA that fit together ("
+            + (f"{', '.join(n.name for n in some)} are, not all free now" if some else
+               f"no {ranks} of the nodes up that it fits are: see cluster.yaml's rdma")
+            + ")")
 
 
 def _why_not_now(short: list[Plan], solo: bool, free_eligible: bool, placement: dict,

@@ -14,9 +14,10 @@ MLX's attention is unfused whenever gradients are traced (CPU always; Metal too:
 "it's faster for training on Metal to use the unfused SDPA"), so a layer's
 forward holds its [heads, L, L] scores for a moment, or one block's
 [heads, attn_block, L] on a row longer than a block (the step's masks cut every
-pass of attention into blocks there). MLX on CUDA fuses it, so there rows past
-32K tokens are over-predicted up to 2x (bench/README.md); a fleet corrects a
-systematic error with the planner's `scale`.
+pass of attention into blocks there). MLX on CUDA fuses it: some rows past 32K
+tokens were over-predicted up to 2x there, while gpt-oss's and Gemma-4's long
+rows on an H100 are within 10% with the boundaries on disk (bench/README.md);
+a fleet corrects a systematic error with the planner's `scale`.
 
 `plan` turns predictions into a decision against a node's budget:
 `memory.segment_size: auto` gets the fastest size whose prediction stays under
@@ -30,10 +31,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# re-exported: the planner's callers read a model's facts through it
+from segctl.orchestrator.model_facts import ModelInfo as ModelInfo
+from segctl.orchestrator.model_facts import model_info as model_info
+from segctl.orchestrator.model_facts import shape_facts as shape_facts
 from segctl.schemas.defaults import (
     ATTN_KEY_TILE,
     ATTN_TILED_ABOVE,
@@ -42,9 +47,14 @@ from segctl.schemas.defaults import (
     DEFAULT_MARGIN,
     DEFAULT_MLP_CHUNK,
 )
-from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES, TILED_FAMILIES
+from segctl.schemas.families import (
+    PACKABLE_FAMILIES,
+    ROWWISE_FAMILIES,
+    SINKS_FAMILIES,
+    TILED_FAMILIES,
+)
 from segctl.schemas.job import JobSpec
-from segctl.schemas.limits import check_model_config, read_model_config
+from segctl.schemas.limits import read_model_config
 from segctl.schemas.records import Plan
 
 GB = 1e9
@@ -91,137 +101,6 @@ PASS_HALF_BYTES = 3.4    # bytes per entry of a pass in a bf16/fp16 model
 TIME_TIE = 0.10          # measured step times this close count as equal (auto takes the larger size)
 DISK_GBPS = 2.0          # boundaries written and read back per second with memory.offload disk:
                          # a Mac's SSD does several GB/s; the planner's time term is its cost
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_CONFIG_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The facts about a model the planner needs; built on the submitting machine
-    (which has the model folder) and shipped to the head as a dict."""
-    model_type: str
-    n_layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    weight_bytes: int   # the model's safetensors on disk, which is what MLX loads
-    act_bytes: int      # 4 for float32, 2 for bf16/fp16 (activations follow the weights' dtype)
-    # Per layer, the width of an input of its own that the step holds for every token
-    # from start to end (Gemma-4's per-layer inputs); 0: none.
-    layer_input: int = 0
-
-    def to_dict(self) -> dict:
-        # A field at its default stays out, so the plan tables of models without it
-        # keep their names (model_key hashes this dict).
-        return {k: v for k, v in asdict(self).items() if k not in OPTIONAL_FACTS or v}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelInfo":
-        names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in d and n not in OPTIONAL_FACTS]
-        if missing:
-            raise ValueError(f"model info lacks {', '.join(missing)}")
-        values: dict[str, Any] = {n: d[n] if n == "model_type" else int(d[n])
-                                  for n in names if n in d}
-        info = cls(**values)
-        # The head plans from this dict as it arrives: hold it to config.json's bounds.
-        check_model_config(dict(model_type=info.model_type, num_hidden_layers=info.n_layers,
-                                hidden_size=info.hidden, intermediate_size=info.intermediate,
-                                num_attention_heads=info.heads, num_key_value_heads=info.kv_heads,
-                                head_dim=info.head_dim, vocab_size=info.vocab), "model info")
-        if info.act_bytes not in (1, 2, 4) or info.weight_bytes < 0 or \
-                not 0 <= info.layer_input <= info.hidden * 64:
-            raise ValueError(f"model info: act_bytes {info.act_bytes} / weight_bytes "
-                             f"{info.weight_bytes} / layer_input {info.layer_input} out of range")
-        return info
-
-
-OPTIONAL_FACTS = ("layer_input",)   # ModelInfo's facts that default to 0
-
-
-def model_info(model_dir: str) -> ModelInfo:
-    """ModelInfo from a local Hugging Face folder: config.json (its text_config wins
-    where a multimodal config nests one) and the sizes and dtypes of *.safetensors.
-    Raises ValueError with one line naming the folder."""
-    folder = Path(model_dir)
-    if not folder.is_dir():
-        raise ValueError(f"{folder}: model folder not found")
-    config = read_model_config(folder)   # bounded: no billion layers reach the arithmetic below
-    cfg = {**config, **config.get("text_config", {})} if isinstance(
-        config.get("text_config"), dict) else config
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
-        raise ValueError(f"{folder}: no *.safetensors weights")
-    return ModelInfo(**shape_facts(cfg, f"{folder}/config.json"),
-                     weight_bytes=sum(p.stat().st_size for p in weights),
-                     act_bytes=_act_bytes(weights, cfg))
-
-
-def shape_facts(cfg: dict, where: str) -> dict:
-    """ModelInfo's shape fields from a model's config (config.json's keys, or an
-    mlx-lm ModelArgs' fields); a bad value raises ValueError naming `where`."""
-    def whole(*keys, default=None):
-        """The first of `keys` the config has, as a positive whole number."""
-        for k in keys:
-            v = cfg.get(k)
-            if v is not None:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{where}: {k}: expected a whole number, got {v!r}")
-                return v
-        if default is None:
-            raise ValueError(f"{where}: {keys[0]}: missing")
-        return default
-
-    hidden = whole("hidden_size", "d_model", "n_embd")
-    heads = whole("num_attention_heads", "n_head")
-    model_type = str(cfg.get("model_type", "?"))
-    intermediate = whole("intermediate_size", "ffn_dim", default=4 * hidden)
-    head_dim = whole("head_dim", default=hidden // heads)
-    # Layers of two kinds are planned as the larger (the peak is the worst layer's):
-    # Gemma-4's full-attention layers have heads of global_head_dim, and the layers
-    # reading a donor's K/V an MLP twice as wide (mlx-lm's use_double_wide_mlp).
-    head_dim = max(head_dim, whole("global_head_dim", default=head_dim))
-    if _count(cfg, "num_kv_shared_layers") and \
-            cfg.get("use_double_wide_mlp", model_type.startswith("gemma4")) is True:
-        intermediate *= 2
-    return dict(model_type=model_type, n_layers=whole("num_hidden_layers", "n_layer", "num_layers"),
-                hidden=hidden, intermediate=intermediate, heads=heads,
-                kv_heads=whole("num_key_value_heads", default=heads), head_dim=head_dim,
-                vocab=whole("vocab_size"),
-                layer_input=_count(cfg, "hidden_size_per_layer_input"))   # Gemma-4's
-
-
-def _count(cfg: dict, key: str) -> int:
-    """cfg[key] where it is a positive whole number, else 0 (absent, 0 or not a
-    number: a family's optional size that a config may leave out or turn off)."""
-    v = cfg.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
-
-
-def _act_bytes(weights: list[Path], cfg: dict) -> int:
-    """Bytes per activation: the dtype holding most of the floating-point weights
-    (MLX computes in the weights' dtype; a quantized model's scales carry it),
-    read from the safetensors headers; config's torch_dtype only if they say nothing."""
-    from segctl.schemas.limits import safetensors_header
-    by_dtype: dict[int, int] = {}
-    for path in weights:
-        header = safetensors_header(path)
-        for name, t in header.items():
-            if name != "__metadata__" and isinstance(t, dict) and t.get("dtype") in _DTYPE_BYTES:
-                shape = t.get("shape") or [1]
-                if not isinstance(shape, list) or not all(
-                        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                    raise ValueError(f"{path}: not a safetensors file ({name!r} has shape {shape!r})")
-                size = _DTYPE_BYTES[t["dtype"]]
-                by_dtype[size] = by_dtype.get(size, 0) + math.prod(shape) * size
-    if by_dtype:
-        return min(4, max(by_dtype, key=lambda size: by_dtype[size]))
-    return _CONFIG_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
-
 
 @dataclass(frozen=True)
 class RowLengths:
@@ -442,15 +321,26 @@ def _layer_width(info: ModelInfo) -> int:
     """Values per token a decoder layer keeps for its backward: its input and both
     norm outputs and the residual (4 x hidden); q, k, v before and after norm/RoPE
     and the attention output (3 x (heads + kv_heads) x head_dim); the MLP's gate,
-    up, activation and product (4 x intermediate)."""
-    return (4 * info.hidden + 3 * (info.heads + info.kv_heads) * info.head_dim
-            + 4 * info.intermediate)
+    up, activation and product (`_mlp_width`)."""
+    return 4 * info.hidden + 3 * (info.heads + info.kv_heads) * info.head_dim + _mlp_width(info)
+
+
+def _mlp_width(info: ModelInfo) -> int:
+    """Values per token of the MLP's gate, up, activation and product: each expert's
+    a token goes through in a mixture of experts."""
+    return 4 * (info.intermediate * max(info.experts_per_tok, 1) + info.shared)
 
 
 def _lora_params(info: ModelInfo, rank: int, n_layers: int) -> int:
-    """rank x (in + out) for each of q, k, v, o, gate, up, down in the LoRA layers."""
+    """rank x (in + out) for each of q, k, v, o, gate, up, down in the LoRA layers;
+    in a mixture of experts, gate, up and down of every expert and of the shared
+    ones, and the router."""
     q, kv = info.heads * info.head_dim, info.kv_heads * info.head_dim
-    per_layer = (7 * info.hidden + 2 * q + 2 * kv + 3 * info.intermediate) * rank
+    mlp = 3 * (info.hidden + info.intermediate) * max(info.experts, 1)
+    if info.shared:
+        mlp += 3 * (info.hidden + info.shared)
+    router = info.hidden + info.experts if info.experts else 0
+    per_layer = (4 * info.hidden + 2 * q + 2 * kv + mlp + router) * rank
     return per_layer * n_layers
 
 
@@ -530,7 +420,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # The MLP runs mlp_chunk rows at a time, forward and backward: its share of
         # a layer's activations is a chunk's; the layer's backward in pieces keeps
         # the MLP's input, output and cotangents whole (engine/layer.py).
-        mlp = 4 * info.intermediate * a
+        mlp = _mlp_width(info) * a
         width = width - L * mlp + mlp_chunk * mlp + STORED_OPS * hidden_state
         layer_forward = TRANSIENT_WIDTH * width + FORWARD_SCORES * block_scores
     if pieces:
@@ -566,7 +456,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # values; the rest less. In half precision a pass costs nearly what it does
         # in fp32 (PASS_HALF_BYTES): the CPU's matmuls go through fp32 copies.
         pa = a if a >= F32 else PASS_HALF_BYTES
-        mlp_part = (mlp_chunk if 0 < mlp_chunk < L else L) * 4 * info.intermediate * pa
+        mlp_part = (mlp_chunk if 0 < mlp_chunk < L else L) * _mlp_width(info) * pa
         passes = PASS_WIDTH * (width * pa / a - mlp_part) + PASS_MLP * mlp_part
         if blocked:
             segment = s * state + max(attention, passes)
@@ -589,10 +479,12 @@ def block_backward(info: ModelInfo, L: int, attn_block: int) -> float:
     and the fp32 dK, dV sums (engine/attention.py): its scores and their gradients,
     the causal mask, the block's K and V spread over the query heads with their
     gradients, and its q, dO and dq. The last block, over every key, is the
-    largest. Past ATTN_TILED_ABOVE tokens the keys go a tile at a time, with the
-    tile's dK, dV in fp32 beside the row's sums, in a family whose every layer
-    does (TILED_FAMILIES); any other holds the block's scores over every key."""
-    tiled = L > ATTN_TILED_ABOVE and info.model_type in TILED_FAMILIES
+    largest. Past ATTN_TILED_ABOVE tokens (at any length with attention sinks,
+    SINKS_FAMILIES) the keys go a tile at a time, with the tile's dK, dV in fp32
+    beside the row's sums, in a family whose every layer does (TILED_FAMILIES);
+    any other holds the block's scores over every key."""
+    tiled = ((L > ATTN_TILED_ABOVE or info.model_type in SINKS_FAMILIES)
+             and info.model_type in TILED_FAMILIES)
     keys = ATTN_KEY_TILE if tiled else L
     b, h, hd = info.act_bytes, info.heads, info.head_dim
     return (BLOCK_SCORES * h * attn_block * keys * b + BLOCK_MASK * attn_block * keys * (1 + b)

@@ -54,6 +54,12 @@ class Trial:
         return (self.job.get("distributed") or {}).get("nodes", 1)
 
     @property
+    def over_rdma(self) -> bool:
+        """Whether its ranks talk over RDMA (`distributed.backend: jaccl`): the nodes
+        it takes must be cabled to each other."""
+        return (self.job.get("distributed") or {}).get("backend") == "jaccl"
+
+    @property
     def min_nodes(self) -> int:
         """The fewest nodes a retry may go on (`distributed.min_nodes`, else `nodes`)."""
         return (self.job.get("distributed") or {}).get("min_nodes") or self.nodes

@@ -23,6 +23,7 @@ from .limits import (
     MAX_PORT,
     MAX_TRIALS_PER_NODE,
     NODE_NAME_PATTERN,
+    RDMA_DEVICE_PATTERN,
     check_path,
 )
 from .yamlspec import first_problems, line_of, load_yaml, not_a_mapping, problem
@@ -61,6 +62,14 @@ def _host(value: str) -> str:
     return value
 
 
+def _rdma_device(value: str) -> str:
+    """An RDMA device name as `ibv_devices` lists it (macOS: rdma_en2, rdma_en3...)."""
+    if not re.fullmatch(RDMA_DEVICE_PATTERN, value):
+        raise ValueError(f"'{value[:80]}' is not an RDMA device name (as ibv_devices lists them: "
+                         "rdma_en3, say)")
+    return value
+
+
 Label = Annotated[str, AfterValidator(_label)]
 Host = Annotated[str, AfterValidator(_host)]
 
@@ -90,6 +99,9 @@ class NodeSpec(Strict):
                                         "guard, as long as their predicted peaks fit memory_gb")
     labels: dict[Annotated[str, AfterValidator(_label_key)], Label] = Field(
         {}, description="extra node labels a sweep's placement can ask for")
+    rdma: dict[Label, Annotated[str, AfterValidator(_rdma_device)]] = Field(
+        {}, description="for distributed.backend jaccl: peer node name -> this Mac's RDMA "
+                        "device whose Thunderbolt 5 cable goes to it (e.g. rdma_en3)")
 
 
 class ClusterSpec(Strict):
@@ -146,4 +158,13 @@ def _cross_checks(path: Path, data: dict, root) -> list[str]:
         if node.get("host") is None and node.get("local") is not True:
             problems.append(f"{path}:{line_of(root, ['nodes', i])}: nodes.{i}.host: "
                             f"required key is missing (or set local: true)")
+    names = {str(n.get("name")) for n in nodes if isinstance(n, dict)}
+    for i, node in enumerate(nodes):
+        rdma = node.get("rdma") if isinstance(node, dict) else None
+        for peer in rdma if isinstance(rdma, dict) else ():
+            where = f"{path}:{line_of(root, ['nodes', i, 'rdma', peer])}: nodes.{i}.rdma.{peer}"
+            if str(peer) == str(node.get("name")):
+                problems.append(f"{where}: a node has no cable to itself")
+            elif str(peer) not in names:
+                problems.append(f"{where}: no node of the cluster is named '{peer}'")
     return problems

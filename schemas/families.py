@@ -51,3 +51,10 @@ TILED_FAMILIES = frozenset({
     "qwen3_moe", "qwen3_vl", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
     "telechat3", "youtu_llm",
 })
+
+
+# The families whose attention adds a learned sink per head (a logit every row sees
+# besides its keys). The engine takes such a layer's blocked backward tile by tile
+# at any length (engine/attention.py `tiles_keys`), so the planner plans it so too.
+# The family walk checks this list against the parameters each family has.
+SINKS_FAMILIES = frozenset({"gpt_oss"})

@@ -72,6 +72,7 @@ MAX_HEADS = 1024               # attention and key/value heads
 MAX_HEAD_DIM = 4096            # head_dim
 MAX_POSITIONS = 1 << 26        # max_position_embeddings, sliding_window
 MAX_EXPERTS = 4096             # MoE experts (and experts per token)
+RDMA_DEVICE_PATTERN = r"^[A-Za-z][A-Za-z0-9_]{0,39}$"   # an RDMA device (ibv_devices: rdma_en3)
 MAX_SAFETENSORS_HEADER_BYTES = 100 << 20   # a *.safetensors file's JSON header (tensor names, shapes)
 # model_type names an mlx-lm module (some have '-': nemotron-nas) and the tune table's folder
 MODEL_TYPE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_-]*$"
@@ -96,8 +97,9 @@ CONFIG_BOUNDS = {
     **dict.fromkeys(("num_attention_heads", "n_head", "num_key_value_heads"), (1, MAX_HEADS)),
     **dict.fromkeys(("head_dim", "global_head_dim"), (1, MAX_HEAD_DIM)),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "sliding_window"), (1, MAX_POSITIONS)),
-    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts",
-                     "num_experts_per_tok"), (0, MAX_EXPERTS)),
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                     "num_experts_per_tok", "moe_k", "n_shared_experts",
+                     "moe_num_shared_experts"), (0, MAX_EXPERTS)),
 }
 
 

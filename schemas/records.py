@@ -58,6 +58,7 @@ class NodeInfo(BaseModel):
     labels: dict[str, str] = {}
     alive: bool = True
     max_trials: int = 1   # attempts it runs at once, while their predicted peaks fit memory_gb
+    rdma: dict[str, str] = {}   # peer node -> this node's RDMA device cabled to it (jaccl)
 
     @property
     def node_class(self) -> str:
@@ -82,8 +83,12 @@ class AttemptSpec(BaseModel):
     flush_s: float = TELEMETRY_FLUSH_S  # forward telemetry at least this often (the head's pace)
     # A job on several nodes (job.distributed.nodes): this node's rank, and every
     # rank's "host:port" in the ring (MLX's hostfile), rank 0 first. Empty: one node.
+    # Over JACCL (backend jaccl), rank 0's is the coordinator, and `rdma` says which
+    # RDMA device each rank reaches each other rank by (MLX_IBV_DEVICES: rank i's
+    # row, None for itself).
     rank: int = 0
     ring: list[str] = []
+    rdma: list[list[Optional[str]]] = []
 
 
 class ProbeSpec(BaseModel):

@@ -161,3 +161,36 @@ def test_a_ring_rank_listens_on_the_named_interface_or_the_fleet_address():
     with pytest.raises(ValueError, match=r"distributed.interface: en9: .* no such interface "
                                          r"with an IPv4 address \(it has: lo0x\)"):
         ring_endpoint("en9", "127.0.0.1", ifaces)
+
+
+# What `ibv_devices` prints on a Mac with RDMA over Thunderbolt 5 enabled (two cables).
+IBV_DEVICES = """    device                 node GUID
+    ------              ----------------
+    rdma_en2            0000000000000000
+    rdma_en3            0000000000000000
+"""
+
+
+def test_a_jaccl_rank_checks_its_rdma_devices_where_it_runs():
+    """The Mac path: `ibv_devices` lists the RDMA devices (none where the tool or
+    RDMA is missing); a rank whose cluster file names a device the node lacks is
+    refused in one line naming what it has."""
+    from segctl.node.link import rdma_devices, ring_endpoint
+
+    def run(stdout="", code=0, missing=False):
+        def call(argv, **kw):
+            assert argv == ["ibv_devices"]
+            if missing:
+                raise FileNotFoundError("ibv_devices")
+            return subprocess.CompletedProcess(argv, code, stdout, "")
+        return call
+
+    assert rdma_devices(run(IBV_DEVICES)) == ["rdma_en2", "rdma_en3"]
+    assert rdma_devices(run(missing=True)) == [] == rdma_devices(run("", code=1))
+    assert ring_endpoint(None, "127.0.0.1", rdma=["rdma_en3"], run=run(IBV_DEVICES)).startswith(
+        "127.0.0.1:")
+    with pytest.raises(ValueError, match=r"jaccl: .* has no RDMA device rdma_en5 \(ibv_devices "
+                                         r"lists: rdma_en2, rdma_en3\)"):
+        ring_endpoint(None, "127.0.0.1", rdma=["rdma_en2", "rdma_en5"], run=run(IBV_DEVICES))
+    with pytest.raises(ValueError, match=r"lists: none: RDMA needs macOS 26.2\+ and rdma_ctl enable"):
+        ring_endpoint(None, "127.0.0.1", rdma=["rdma_en2"], run=run(missing=True))

@@ -175,10 +175,52 @@ def test_a_job_on_several_nodes_is_refused_where_it_cannot_run(demo_dir, tmp_pat
         assert_one_line_error(segctl(command, two, env={"SEGCTL_HOME": str(tmp_path / "home")}),
                               "distributed.nodes: 2: the cluster has 1 node(s)",
                               "a trial's ranks each take a node of their own")
+    # over JACCL, the nodes must be cabled to each other (the cluster file's rdma)
     spec = yaml.safe_load(open(two))
     spec["distributed"]["backend"] = "jaccl"
     with open(two, "w") as f:
         yaml.safe_dump(spec, f)
-    assert_one_line_error(segctl("plan", two, env={"SEGCTL_HOME": str(tmp_path / "home")}),
-                          "distributed.backend: jaccl: the fleet starts ring ranks (TCP) only")
+    cluster = tmp_path / "c.yaml"
+    nodes = "nodes:\n  - {name: a, local: true, memory_gb: 8%s}\n  - {name: b, local: true, memory_gb: 8%s}\n"
+    cluster.write_text(nodes % ("", ""))
+    home = {"SEGCTL_HOME": str(tmp_path / "home")}
+    assert_one_line_error(segctl("plan", two, "--cluster", cluster, env=home),
+                          "distributed.backend: jaccl: no 2 nodes of the cluster are cabled to each "
+                          "other over RDMA")
+    cluster.write_text(nodes % (", rdma: {b: rdma_en3}", ", rdma: {a: rdma_en2}"))
+    planned = segctl("plan", two, "--cluster", cluster, env=home)
+    assert planned.returncode == 0, planned.stderr
     assert not (tmp_path / "home").exists()
+
+
+def test_a_jaccl_rank_gets_mlxs_jaccl_environment_and_says_what_it_lacks(demo_dir, tmp_path):
+    """Over JACCL a rank needs MLX_RANK, MLX_JACCL_COORDINATOR (rank 0's ip:port)
+    and MLX_IBV_DEVICES (every rank's RDMA device to every other): the node's
+    worker sets them from the head's ring and device matrix, and a rank started by
+    hand without them is refused in one line. This Linux machine has no RDMA: MLX
+    itself refuses the backend there, in one line too."""
+    from segctl.engine.distributed import ring_environ
+    from segctl.node.attempt import _ring_args
+    from segctl.schemas.job import JobSpec
+    from segctl.schemas.records import AttemptSpec
+    job = _job(demo_dir, tmp_path, "rdma", nodes=2)
+    spec = yaml.safe_load(open(job))
+    spec["distributed"]["backend"] = "jaccl"
+    with open(job, "w") as f:
+        yaml.safe_dump(spec, f)
+    matrix = [[None, "rdma_en3"], ["rdma_en2", None]]
+    attempt = AttemptSpec(sweep="s", trial="t", attempt=1, job=JobSpec.model_validate(spec),
+                          data={}, rank=1, ring=["198.18.0.11:5000", "198.18.0.12:5001"],
+                          rdma=matrix)
+    args = _ring_args(attempt, tmp_path)
+    assert args == ["--ring", "1", str(tmp_path / "hostfile.json"), "--rdma", str(tmp_path / "rdma.json")]
+    assert json.loads((tmp_path / "rdma.json").read_text()) == matrix
+    env = ring_environ(1, args[2], args[4])
+    assert env == {"MLX_RANK": "1", "MLX_JACCL_COORDINATOR": "198.18.0.11:5000",
+                   "MLX_IBV_DEVICES": str(tmp_path / "rdma.json")}
+    assert ring_environ(0, "h.json") == {"MLX_RANK": "0", "MLX_HOSTFILE": "h.json"}
+    lacking = segctl("train", job, env={"MLX_RANK": "0"})
+    assert_one_line_error(lacking, "MLX_JACCL_COORDINATOR and MLX_IBV_DEVICES unset")
+    here = segctl("train", job, env=env)
+    assert_one_line_error(here, "distributed: the jaccl ring did not form: ")
+    assert not (tmp_path / "rdma").exists()

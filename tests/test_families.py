@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import ModelError, check_length, model_parts
 from segctl.engine.settings import StepMemory
 from segctl.engine.step import pack_refusal
-from segctl.schemas.families import PACKABLE_FAMILIES, ROWWISE_FAMILIES, TILED_FAMILIES
+from segctl.schemas.families import (
+    PACKABLE_FAMILIES,
+    ROWWISE_FAMILIES,
+    SINKS_FAMILIES,
+    TILED_FAMILIES,
+)
 from tests.conftest import WIDE, random_lora
 from tests.zoo import families, tiny_model
 
@@ -107,6 +113,8 @@ def test_family_trains_exactly_or_is_refused(family, monkeypatch, tmp_path):
         return
     # The planner's lists of row-wise and tiled families are the engine's verdicts.
     assert all(parts.rowwise) == (family in ROWWISE_FAMILIES), (family, parts.rowwise)
+    sinks = any(name.endswith(".sinks") for name, _ in tree_flatten(model.parameters()))
+    assert sinks == (family in SINKS_FAMILIES), (family, sinks)
     # and a probed layer class kept whole says why, in one line
     probed = [not d and x is None for d, x in zip(
         parts.donors, parts.layer_inputs(mx.array([[1]]), parts.embed(mx.array([[1]]))))]

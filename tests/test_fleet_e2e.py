@@ -53,17 +53,26 @@ def fleet(tmp_path_factory):
         "planner": {"margin": 0.1, "scale": 1.0},
         "nodes": [
             {"name": "small", "local": True, "memory_gb": small, "chip": "sim-s", "labels": {"pool": "a"}},
-            {"name": "medium", "local": True, "memory_gb": 0.25, "chip": "sim-m", "labels": {"pool": "b"}},
-            {"name": "large", "local": True, "memory_gb": 0.5, "chip": "sim-l", "labels": {"pool": "b"}},
+            # medium and large are cabled for JACCL (this machine has no RDMA: the
+            # nodes find their devices with the stand-in ibv_devices below)
+            {"name": "medium", "local": True, "memory_gb": 0.25, "chip": "sim-m", "labels": {"pool": "b"},
+             "rdma": {"large": "rdma_en3"}},
+            {"name": "large", "local": True, "memory_gb": 0.5, "chip": "sim-l", "labels": {"pool": "b"},
+             "rdma": {"medium": "rdma_en2"}},
         ],
     }
+    (root / "bin").mkdir()
+    (root / "bin" / "ibv_devices").write_text(f"#!/bin/sh\ncat {root / 'ibv_devices.txt'}\n")
+    (root / "bin" / "ibv_devices").chmod(0o755)
+    (root / "ibv_devices.txt").write_text("    device          node GUID\n    ------   ----------\n")
     (root / "cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
     job = {"name": "base", "model": "model",
            "data": {"train": "data/train.jsonl", "valid": "data/valid.jsonl", "max_seq_length": 512},
            "lora": {"rank": 4}, "train": {"iters": 4, "learning_rate": 1e-4, "val_batches": 2},
            "memory": {"segment_size": 1}}
     (root / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-    up = segctl("cluster", "up", root / "cluster.yaml", timeout=180)
+    up = segctl("cluster", "up", root / "cluster.yaml", timeout=180,
+                env={"PATH": f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}"})
     assert up.returncode == 0, up.stderr
     fleet_info = json.loads((root / "stores" / "fleet.json").read_text())
     yield {"root": root, "cluster": root / "cluster.yaml", "stores": root / "stores",
@@ -376,6 +385,32 @@ def test_a_trial_on_two_nodes_trains_what_one_process_trains(fleet, tmp_path):
     norm = lambda d: np.sqrt(sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in d.values()))
     assert got.keys() == ref.keys()
     assert norm({k: got[k] - ref[k] for k in ref}) <= 1e-5 * norm(ref)
+
+
+def test_a_trial_over_jaccl_goes_to_cabled_nodes_with_mlxs_jaccl_environment(fleet):
+    """backend jaccl on the fleet: the head takes the two nodes cabled to each other
+    (the cluster file's rdma), each checks its RDMA device where it runs (a device
+    it lacks fails the trial in one line), and each rank starts with MLX's JACCL
+    environment, which MLX itself refuses on this Linux machine: one line too."""
+    job = {"train": dict(yaml.safe_load((fleet["root"] / "job.yaml").read_text())["train"],
+                         iters=2, batch_size=2), "distributed": {"nodes": 2, "backend": "jaccl"}}
+    devices = fleet["root"] / "ibv_devices.txt"
+    header = devices.read_text()
+    ends = []
+    for listed in ("rdma_en2\n", "rdma_en2\nrdma_en3\n"):   # large's first, then both
+        devices.write_text(header + listed)
+        proc = segctl("submit", _sweep(fleet, f"jaccl{len(ends)}", job=job), "--cluster",
+                      fleet["cluster"], "--detach")
+        assert proc.returncode == 0, proc.stderr
+        sw = _wait(fleet, proc.stdout.strip(), lambda sw: sw["state"] != SweepState.RUNNING)
+        [t] = sw["trials"]
+        assert t["state"] == TrialState.FAILED, t
+        ends.append(t["message"])
+    assert "jaccl" in ends[0] and "has no RDMA device rdma_en3" in ends[0], ends[0]
+    assert "rdma_en2" in ends[0] and "\n" not in ends[0]
+    assert "the jaccl ring did not form: " in ends[1] and "\n" not in ends[1], ends[1]
+    [a] = t["attempts"]
+    assert sorted(a["node"].split(",")) == ["large", "medium"]
 
 
 def _no_duplicate_steps(rows, trial, total):

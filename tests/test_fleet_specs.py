@@ -397,6 +397,34 @@ def test_cluster_needs_a_node_and_valid_fields(tmp_path):
     ]
 
 
+def test_a_clusters_rdma_cables_name_its_nodes_and_devices(tmp_path):
+    """nodes.*.rdma (JACCL's cables: peer -> this node's RDMA device) names other
+    nodes of the cluster and devices as ibv_devices lists them; each travels to
+    the head as a label segctl.rdma.<peer> and is read back as NodeInfo.rdma."""
+    from segctl.orchestrator import fleet
+    text = ("nodes:\n"
+            "  - {name: a, local: true, memory_gb: 1, rdma: {b: rdma_en3}}\n"
+            "  - {name: b, local: true, memory_gb: 1, rdma: {a: rdma_en2}}\n")
+    spec = load_cluster(write(tmp_path, "c.yaml", text))
+    a, b = spec.nodes
+    assert a.rdma == {"b": "rdma_en3"} and b.rdma == {"a": "rdma_en2"}
+    labels = fleet.node_labels(a)
+    assert labels == {"segctl.rdma.b": "rdma_en3"}
+    assert "--label segctl.rdma.b=rdma_en3" in fleet.ssh_start_command(
+        a.model_copy(update={"host": "a.lan"}), "h:1")[-1]
+    row = {"Alive": True, "Resources": {"segctl_node:a": 1.0},
+           "Labels": {"segctl.memory_gb": "1", **labels, "rack": "2"}}
+    [info], _ = fleet.node_table([row])
+    assert info.rdma == {"b": "rdma_en3"} and info.labels == {"rack": "2"}
+    bad = write(tmp_path, "bad.yaml", text.replace("{b: rdma_en3}", "{a: rdma_en3, c: x1, b: en 3}"))
+    assert problems(load_cluster, bad) == [
+        f"{bad}:2: nodes.0.rdma.b: 'en 3' is not an RDMA device name (as ibv_devices "
+        "lists them: rdma_en3, say)",
+        f"{bad}:2: nodes.0.rdma.a: a node has no cable to itself",
+        f"{bad}:2: nodes.0.rdma.c: no node of the cluster is named 'c'",
+    ]
+
+
 # ------------------------------------------------------------------ dispatch and examples
 
 
@@ -416,4 +444,5 @@ def test_examples_validate_through_load_spec(tmp_path, demo_dir):
     kind, job = load_spec(tmp_path / "examples" / "job.yaml")
     assert kind == "job" and job.name == "my-job"
     kind, cluster = load_spec(ROOT / "examples" / "cluster.yaml")
-    assert kind == "cluster" and [n.local for n in cluster.nodes] == [False, False, True]
+    assert kind == "cluster" and [n.local for n in cluster.nodes] == [False, False, False, True]
+    assert cluster.nodes[0].rdma == {"studio-2": "rdma_en3"}

@@ -398,17 +398,82 @@ def test_gemma4_is_planned_as_its_largest_layer_with_its_per_layer_inputs(tiny_m
     assert held == pytest.approx(4096 * info.n_layers * info.layer_input * info.act_bytes / 1e9)
 
 
-def test_the_gpu_gemma4_long_row_is_predicted_within_10_percent():
-    """The H100's Gemma-4-E2B-like row at 64K tokens (bench/results/
-    h100-long-families.jsonl), planned from the shape bench.engine built it with:
-    at or above its measured peak, by at most 10%."""
-    from bench.engine import gemma4_config
+# MoE families of the zoo: the LoRA the planner counts against the LoRA the engine
+# puts on the real (tiny) model. Exact where every layer is the same mixture;
+# over where the first layers are dense (planned as experts too); qwen2_moe's
+# shared expert has a one-output gate of its own the planner leaves out.
+LORA_COUNTS = {"qwen3": 1.0, "gpt_oss": 1.0, "qwen3_moe": 1.0, "mixtral": 1.0, "olmoe": 1.0,
+               "ernie4_5_moe": 1.0, "qwen2_moe": (0.95, 1.0), "deepseek": (1.0, 1.2)}
+
+
+@pytest.mark.parametrize("family", sorted(LORA_COUNTS))
+def test_a_mixture_of_experts_is_planned_with_a_lora_on_every_expert(family):
+    """mlx-lm puts a LoRA on each expert of a mixture (and on its router and shared
+    experts): the planner reads the experts from config.json and counts them all,
+    and a token's activations are its experts' (experts_per_tok x their width)."""
+    from mlx.utils import tree_flatten
+
+    from segctl.engine.model import apply_lora
+    from segctl.orchestrator.planner import _layer_width, _lora_params, shape_facts
+    from tests.zoo import tiny_model
+    model, cfg = tiny_model(family)
+    apply_lora(model, rank=8, scale=20.0, dropout=0.0)
+    real = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    info = ModelInfo(**shape_facts(cfg, family), weight_bytes=0, act_bytes=4)
+    ratio = _lora_params(info, 8, info.n_layers) / real
+    want = LORA_COUNTS[family]
+    if isinstance(want, tuple):
+        assert want[0] <= ratio <= want[1], ratio
+    else:
+        assert ratio == want
+    assert (info.experts > 0) == (family != "qwen3")
+    assert ModelInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
+    if info.experts:
+        dense = dataclasses.replace(info, experts=0, experts_per_tok=0, shared=0)
+        grown = _layer_width(info) - _layer_width(dense)
+        assert grown == 4 * (info.intermediate * (info.experts_per_tok - 1) + info.shared) > 0
+
+
+def _gpu_long_rows() -> list[tuple[dict, float]]:
+    """The H100's long rows of gpt-oss-20b's and Gemma-4-E2B's shapes (bench/results/
+    h100-long-families.jsonl) with what the planner predicts for each, from the
+    shape bench.engine built: the rows of the whole model that ran with the engine
+    as it is (gpt-oss rows apart, MLX's cache not capped)."""
+    from bench.engine import gemma4_config, gpt_oss_config
     from segctl.orchestrator.planner import shape_facts
-    rows = [json.loads(line) for line in
-            (ROOT / "bench/results/h100-long-families.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if r["arch"] == "gemma4_text" and "peak_gb" in r)
-    info = ModelInfo(**shape_facts(gemma4_config(row["layers"], row["dim"], row["vocab"]), "row"),
-                     weight_bytes=row["weight_bytes"], act_bytes=2)
-    got = predict_gb(info, seq_len=row["seq"], segment_size=row["segment_size"],
-                     attn_block=row["attn_block"], mlp_chunk=row["mlp_chunk"], offload=True)
-    assert 1.0 <= got / row["peak_gb"] <= 1.1, got
+    out = []
+    for line in (ROOT / "bench/results/h100-long-families.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        config = {"gpt_oss": gpt_oss_config, "gemma4_text": gemma4_config}[r["arch"]]
+        if r["layers"] < 24 or r.get("impl") != "segctl" or r.get("cache_limit_gb") or \
+                (r["arch"] == "gpt_oss" and not r.get("rows") and "peak_so_far_gb" not in r) or \
+                not ("peak_gb" in r or "peak_so_far_gb" in r):
+            continue
+        info = ModelInfo(**shape_facts(config(r["layers"], r["dim"], r["vocab"]), "row"),
+                         weight_bytes=r["weight_bytes"], act_bytes=2)
+        out.append((r, predict_gb(info, seq_len=r["seq"], segment_size=r["segment_size"],
+                                  attn_block=r["attn_block"], mlp_chunk=r["mlp_chunk"],
+                                  offload=bool(r["offload"]))))
+    return out
+
+
+def test_the_gpu_long_rows_of_gpt_oss_and_gemma4_are_predicted_within_10_percent():
+    """With the boundaries on disk, every such row at a run's steady peak (gpt-oss:
+    the optimizer's moments of its experts' LoRA held, which a first step alone
+    never holds) is predicted within 10% either way; a row cut short before its
+    step ended bounds the ratio from above only. In memory, where the heaviest
+    layer's backward comes after the early layers' boundaries are freed, the
+    planner is over, by at most 15%."""
+    rows = _gpu_long_rows()
+    steady = [(r, got) for r, got in rows if r["arch"] == "gemma4_text"
+              or r.get("optimizer_state") or r["steps"] > 1]
+    assert {(r["arch"], r["seq"]) for r, _ in steady if r["offload"]} >= {
+        ("gpt_oss", 32768), ("gpt_oss", 65536), ("gemma4_text", 32768), ("gemma4_text", 65536),
+        ("gemma4_text", 131072)}
+    for r, got in steady:
+        if "peak_so_far_gb" in r:
+            assert got / r["peak_so_far_gb"] <= 1.1, (r["seq"], got)
+        elif r["offload"]:
+            assert 0.9 <= got / r["peak_gb"] <= 1.1, (r["arch"], r["seq"], got, r["peak_gb"])
+        else:
+            assert 1.0 <= got / r["peak_gb"] <= 1.15, (r["arch"], r["seq"], got, r["peak_gb"])

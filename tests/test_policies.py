@@ -300,6 +300,43 @@ def test_a_trial_on_several_nodes_takes_them_all_at_once_or_waits_saying_for_how
                                "1 up that it fits: a)")
 
 
+def cabled(*nodes: NodeInfo, rdma: str = "rdma_en{}") -> list[NodeInfo]:
+    """`nodes` each naming a device to every other (a full mesh of cables)."""
+    return [n.model_copy(update={"rdma": {m.name: rdma.format(j) for j, m in enumerate(nodes)
+                                          if m is not n}}) for n in nodes]
+
+
+def test_a_trial_over_rdma_takes_nodes_cabled_to_each_other_or_waits_saying_so():
+    """backend jaccl: the N nodes must each name their RDMA device to every other;
+    the device file JACCL reads is each rank's row of those names."""
+    a, b, c, d = cabled(node("a"), node("b"), node("c"))[:3] + [node("d", 16.0)]
+    t = trial(job={"distributed": {"nodes": 2, "backend": "jaccl"}})
+    got = place(t, nodes=[a, b, c, d])   # d is the roomiest, but has no cables
+    assert isinstance(got, placement.Place) and "d" not in {got.node.name, got.ranks[0].node.name}
+    ring = [got.node, got.ranks[0].node]
+    matrix = placement.rdma_matrix(ring)
+    assert matrix[0][0] is None and matrix[1][1] is None
+    assert matrix[0][1] == ring[0].rdma[ring[1].name] and matrix[1][0] == ring[1].rdma[ring[0].name]
+    # three cabled nodes, two of them busy: it waits, naming a set that would do
+    assert place(t, nodes=[a, b, c, d], free=[a, d]) == placement.Wait(
+        "s-t0", "waiting for 2 nodes cabled to each other over RDMA that fit together "
+                "(a, b are, not all free now)")
+    # a cable one way only is no cable
+    one_way = [a, b.model_copy(update={"rdma": {}}), d]
+    assert place(t, nodes=one_way) == placement.Wait(
+        "s-t0", "waiting for 2 nodes cabled to each other over RDMA that fit together "
+                "(no 2 of the nodes up that it fits are: see cluster.yaml's rdma)")
+    # the same trial over TCP takes any two
+    assert isinstance(place(trial(job={"distributed": {"nodes": 2}}), nodes=one_way),
+                      placement.Place)
+    # a retry with min_nodes goes on the largest cabled set that fits, down to it
+    t3 = trial(job={"distributed": {"nodes": 3, "min_nodes": 2, "backend": "jaccl"}})
+    pair = cabled(node("a"), node("b")) + [node("c")]
+    assert isinstance(place(t3, nodes=pair), placement.Wait)
+    got = place(t3, nodes=pair, last=attempt(node="a,b,x", outcome=Outcome.NODE_LOST))
+    assert isinstance(got, placement.Place) and {got.node.name, got.ranks[0].node.name} == {"a", "b"}
+
+
 def test_free_nodes_it_may_not_use_make_it_wait_for_one_it_may():
     a, b = node("a", room="x"), node("b", room="y")
     t = trial(excluded=("c",))

@@ -35,20 +35,23 @@ def check_families(where, models) -> None:
 def check_nodes(where, sweep, nodes) -> None:
     """Exit 2 when a trial asks for more nodes (`distributed.nodes`) than the
     cluster has that match the sweep's placement (`nodes`: the declared ones, or
-    this machine alone without a cluster file), or for a backend the fleet cannot
-    start: nothing is placed then."""
+    this machine alone without a cluster file), or over JACCL for more than it has
+    cabled to each other: nothing is placed then."""
+    from segctl.orchestrator.placement import mesh
     placement = dict(sweep.spec.placement)
-    have = [n.name for n in nodes if n.matches(placement)]
+    matching = [n for n in nodes if n.matches(placement)]
+    have = [n.name for n in matching]
+    which = f" matching placement {placement}" if placement else ""
     for t in sweep.trials:
         d = t.job.distributed
-        if d.nodes > 1 and d.backend != "ring":
-            _fail(f"{where}: distributed.backend: {d.backend}: the fleet starts ring ranks "
-                  "(TCP) only; start jaccl ranks by hand (README: one job on several machines)")
         if d.nodes > len(have):
-            which = f" matching placement {placement}" if placement else ""
             _fail(f"{where}: distributed.nodes: {d.nodes}: the cluster has {len(have)} "
                   f"node(s){which} ({', '.join(have) or 'none'}); a trial's ranks each take a "
                   "node of their own")
+        if d.nodes > 1 and d.backend == "jaccl" and not mesh(matching, d.nodes):
+            _fail(f"{where}: distributed.backend: jaccl: no {d.nodes} nodes of the "
+                  f"cluster{which} are cabled to each other over RDMA (each names its device to "
+                  "every other in the cluster file's nodes.*.rdma)")
 
 
 def check_packing(spec: Path, sweep=None, jobs=None) -> None:

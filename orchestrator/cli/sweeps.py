@@ -90,7 +90,7 @@ def _declared_nodes(spec):
         hw = probe()
         return [NodeInfo(name=default_name(), chip=hw.chip, memory_gb=hw.memory_gb, os=hw.os)]
     return [NodeInfo(name=n.name, chip=n.chip, memory_gb=n.memory_gb, labels=n.labels or {},
-                     max_trials=n.max_trials)
+                     max_trials=n.max_trials, rdma=n.rdma)
             for n in spec.nodes]
 
 
