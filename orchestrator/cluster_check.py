@@ -42,7 +42,7 @@ def check(spec, *, nbytes: int = link.LINK_BYTES, ssh=subprocess.run,
         except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
             row, why = None, error_line(e, 200)
         nodes.append(dict(row or {}, name=n.name, target=_target(n), reachable=row is not None,
-                          **({"error": why} if why else {})))
+                          cabled=n.rdma, **({"error": why} if why else {})))
     pairs = [_pair(spec, a, b, nbytes, ssh, popen)
              for a, b in combinations([n for n in nodes if n["reachable"]], 2)]
     return {"head": here, "nodes": nodes, "pairs": pairs,
@@ -53,7 +53,8 @@ def verdict(head: dict, nodes: list[dict], pairs: list[dict]) -> list[str]:
     """One line per problem: a node not reachable, a version other than the head's
     (named with the nodes that have each), a missing or other token, a pair whose
     link test failed or whose traffic leaves by a slower interface than one its
-    host has."""
+    host has, an RDMA device the cluster file names (`cabled`) that the node's
+    `ibv_devices` does not list."""
     out = [f"{n['name']}: not reachable over ssh ({n['target']}): {n.get('error', '?')}"
            for n in nodes if not n["reachable"]]
     up = [n for n in nodes if n["reachable"]]
@@ -73,6 +74,11 @@ def verdict(head: dict, nodes: list[dict], pairs: list[dict]) -> list[str]:
         out += [f"{n['name']}: " + ("no cluster token" if n["token"] is None else
                                     "a cluster token other than the head's")
                 for n in up if n["token"] != head["token"]]
+    for n in up:
+        missing = sorted({dev for dev in (n.get("cabled") or {}).values()} - set(n.get("rdma") or []))
+        if missing:
+            out.append(f"{n['name']}: the cluster file's rdma names {', '.join(missing)}, which "
+                       f"ibv_devices there does not list (it lists: {', '.join(n.get('rdma') or []) or 'none'})")
     for p in pairs:
         if p.get("error"):
             out.append(f"{p['a']} -> {p['b']}: the link test failed: {p['error']}")

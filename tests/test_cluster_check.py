@@ -82,7 +82,8 @@ def test_the_verdict_names_each_problem_and_who_has_it():
     head = _node("(head)")
     nodes = [_node("m1"), _node("m2", versions=dict(head["versions"], mlx="0.31.0")),
              _node("m3", versions=dict(head["versions"], mlx="0.31.0", ray=None), token=None),
-             _node("m4", token="other"),
+             _node("m4", token="other", cabled={"m1": "rdma_en3", "m2": "rdma_en4"},
+                   rdma=["rdma_en2", "rdma_en3"]),
              {"name": "m5", "target": "lab@m5", "reachable": False, "error": "No route to host"}]
     pairs = [{"a": "m1", "b": "m2", "interface": "en1", "kind": "wifi",
               "faster": "bridge0 (thunderbolt)"},
@@ -95,6 +96,8 @@ def test_the_verdict_names_each_problem_and_who_has_it():
         "ray 2.50 on the head, not installed on m3",
         "m3: no cluster token",
         "m4: a cluster token other than the head's",
+        "m4: the cluster file's rdma names rdma_en4, which ibv_devices there does not list "
+        "(it lists: rdma_en2, rdma_en3)",
         "m1 -> m2: traffic leaves m1 by en1 (wifi) while bridge0 (thunderbolt) is up: a ring "
         "would run slower than it could (`distributed.interface` picks the network)",
         "m1 -> m3: the link test failed: Connection refused"]
