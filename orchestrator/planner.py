@@ -164,11 +164,16 @@ def step_tokens(job: JobSpec, lengths: RowLengths | None = None, *,
     [sequences, longest], a longer row alone; with dropout, one after the other.
     pack auto packs on a CPU and runs rows side by side on a GPU: either fits.
     `batch_size` overrides the job's (the largest batch that fits); `packable`
-    (family_packs of the job's model) is read from config.json when not given.
+    (family_packs of the job's model) is read from config.json when not given. On
+    several nodes a micro-batch holds at most a rank's share of the step's rows.
     A model whose rows do not batch exactly runs them one after the other, which
     holds less than planned here."""
     lengths = lengths or row_lengths(job)
     b = job.train.batch_size if batch_size is None else batch_size
+    # a rank of a job on several nodes runs its share of the step's rows (on as few
+    # as its min_nodes, where a retry may go)
+    fewest = job.distributed.min_nodes or job.distributed.nodes
+    b = min(b, -(-b * job.train.grad_accumulation // fewest))
     if b <= 1:
         return lengths.longest
     cap = max(job.data.pack_length or job.data.max_seq_length, lengths.longest)

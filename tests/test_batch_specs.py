@@ -259,6 +259,16 @@ def test_step_tokens_is_the_packed_micro_batch_or_its_rows_side_by_side():
     assert step_tokens(job, RowLengths((60, 50), branched=70)) == 100
     assert step_tokens(job, RowLengths((30, 20), branched=40)) == 100
     assert planner.longest_row(job, RowLengths((30, 20), branched=70)) == 70
+    # on several nodes a rank's micro-batch is at most its share of the step's rows:
+    # 4 rows on 2 nodes pack as 2 (90 + 40), on 4 nodes as 1; accumulation deals
+    # out every micro-batch's rows (2 x 4 rows on 4 nodes: 2 each)
+    wide = with_(job, data={"pack_length": 400})
+    two = with_(wide, distributed={"nodes": 2})
+    assert step_tokens(two, ROWS) == step_tokens(wide, ROWS, batch_size=2) == 130
+    assert step_tokens(with_(wide, distributed={"nodes": 4}), ROWS) == 90
+    assert step_tokens(with_(wide, distributed={"nodes": 4, "min_nodes": 2}), ROWS) == 130
+    assert step_tokens(with_(wide, distributed={"nodes": 4}, train={"grad_accumulation": 2}),
+                       ROWS) == 130
 
 
 def test_step_tokens_bounds_the_engines_packed_sequences(demo_dir):
