@@ -314,12 +314,12 @@ def ssh_start_command(node, join: str) -> list[str]:
               "--token-stdin"]
     if node.chip and node.chip != "unknown":
         remote += ["--chip", node.chip]
-    for k, v in node_labels(node).items():
+    for k, v in cluster_labels(node).items():
         remote += ["--label", f"{k}={v}"]
     return ssh_argv(node.host or node.name, remote)
 
 
-def node_labels(node) -> dict[str, str]:
+def cluster_labels(node) -> dict[str, str]:
     """The labels `cluster up` starts node `node` (a NodeSpec) with besides its own:
     the user's, and per RDMA peer `segctl.rdma.<peer>` = this node's device cabled
     to it (node_table reads them back into NodeInfo.rdma)."""
@@ -379,7 +379,7 @@ def _start_node(n, info: dict, root: Path, hw: Hardware, ssh) -> dict:
     if n.local:
         started = raynode.start_node(
             address=info["address"], name=n.name, memory_gb=n.memory_gb,
-            chip=n.chip if n.chip != "unknown" else hw.chip, labels=node_labels(n), hw=hw,
+            chip=n.chip if n.chip != "unknown" else hw.chip, labels=cluster_labels(n), hw=hw,
             token_path=str(token), log_dir=root / "logs",
             object_store_mb=raynode.LOCAL_OBJECT_STORE_MB, max_trials=n.max_trials)
         return {"pid": started["pid"], "started": started["started"], "local": True, "host": None}

@@ -157,11 +157,16 @@ def _why_not_together(ranks: int, fitting: list, names: set, by_class: dict,
                       nodes: Mapping[str, NodeInfo]) -> str:
     """Why a trial on `ranks` nodes waits: fewer of the nodes it may use fit it now
     (`fitting`), or are up at all."""
-    could = sorted(n for n in names if by_class[plan_class(nodes[n])].fits)
+    could = [n.name for n in _up_that_fit(names, nodes, by_class)]
     why = f"waiting for {ranks} nodes that fit together ({len(fitting)} free now"
     if len(could) < ranks:
         why += f"; {len(could)} up that it fits: {', '.join(could) or 'none'}"
     return why + ")"
+
+
+def _up_that_fit(names: set, nodes: Mapping[str, NodeInfo], by_class: dict) -> list[NodeInfo]:
+    """The nodes up that a trial may use (`names`) and fits on, whole, by name."""
+    return [nodes[n] for n in sorted(names) if by_class[plan_class(nodes[n])].fits]
 
 
 def cabled(a: NodeInfo, b: NodeInfo) -> bool:
@@ -191,8 +196,7 @@ def rdma_matrix(nodes: list[NodeInfo]) -> list[list[Optional[str]]]:
 def _why_not_cabled(ranks: int, nodes: Mapping[str, NodeInfo], names: set, by_class: dict) -> str:
     """Why a trial over RDMA waits with enough free nodes that fit it: no `ranks` of
     them are cabled to each other; and which such set of the nodes up it could take."""
-    could = [nodes[n] for n in sorted(names) if by_class[plan_class(nodes[n])].fits]
-    some = mesh(could, ranks)
+    some = mesh(_up_that_fit(names, nodes, by_class), ranks)
     return (f"waiting for {ranks} nodes cabled to each other over RDMA that fit together ("
             + (f"{', '.join(n.name for n in some)} are, not all free now" if some else
                f"no {ranks} of the nodes up that it fits are: see cluster.yaml's rdma")

@@ -408,7 +408,7 @@ def test_a_clusters_rdma_cables_name_its_nodes_and_devices(tmp_path):
     spec = load_cluster(write(tmp_path, "c.yaml", text))
     a, b = spec.nodes
     assert a.rdma == {"b": "rdma_en3"} and b.rdma == {"a": "rdma_en2"}
-    labels = fleet.node_labels(a)
+    labels = fleet.cluster_labels(a)
     assert labels == {"segctl.rdma.b": "rdma_en3"}
     assert "--label segctl.rdma.b=rdma_en3" in fleet.ssh_start_command(
         a.model_copy(update={"host": "a.lan"}), "h:1")[-1]
