@@ -120,7 +120,9 @@ def test_a_rank_killed_mid_job_ends_its_peer_as_a_lost_rank(demo_dir, tmp_path):
             _job(demo_dir, tmp_path, "cut", nodes=2, iters=100_000, output="cut-rank1")]
     for job in jobs:
         spec = yaml.safe_load(open(job))
-        spec["distributed"]["timeout_s"] = 3
+        # long enough for both ranks to start on a loaded machine (the ring must form
+        # first); the cut itself is seen at once, as the broken link, not by the timeout
+        spec["distributed"]["timeout_s"] = 60
         with open(job, "w") as f:
             yaml.safe_dump(spec, f)
     ports = free_ports(2)
@@ -131,12 +133,15 @@ def test_a_rank_killed_mid_job_ends_its_peer_as_a_lost_rank(demo_dir, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for r, job in enumerate(jobs)]
     try:
+        trained = False
         for line in procs[1].stdout:   # rank 1 trains: its second step's all_sum is done
             if '"event":"step"' in line.replace(" ", "") and '"step":2' in line.replace(" ", ""):
+                trained = True
                 break
+        assert trained, procs[1].stderr.read()[-2000:]
         procs[1].kill()
         survivor = procs[0]
-        out, err = survivor.communicate(timeout=60)
+        out, err = survivor.communicate(timeout=120)
         # a lost peer: exit 4 and an error event saying so, never a hang (MLX's
         # ring prints its own lines on stderr meanwhile)
         assert survivor.returncode == 4, (survivor.returncode, err[-2000:])
