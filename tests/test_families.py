@@ -91,12 +91,17 @@ def _vocab(model):
     return text.model.embed_tokens.weight.shape[0]
 
 
-def _scale(ref, k):
-    # Per-tensor relative error, except that a tensor whose gradient is zero in
-    # exact arithmetic (a top-1 router's, say: its normalised score is always 1)
-    # holds rounding noise only, so it is measured against the largest gradient.
-    top = max(mx.max(mx.abs(g)).item() for g in ref.values())
-    return max(mx.max(mx.abs(ref[k])).item(), 1e-5 * top)
+def _worst(grads, ref) -> float:
+    """The largest per-tensor relative error of `grads` against `ref`, except that a
+    tensor whose gradient is zero in exact arithmetic (a top-1 router's, say: its
+    normalised score is always 1) holds rounding noise only, so it is measured
+    against the largest gradient. Each tensor's scale is read once: a mixture's
+    hundreds of LoRA tensors made a scale per tensor over all of them seconds
+    of the walk."""
+    assert grads.keys() == ref.keys()
+    tops = {k: mx.max(mx.abs(g)).item() for k, g in ref.items()}
+    floor = 1e-5 * max(tops.values())
+    return max(mx.max(mx.abs(grads[k] - ref[k])).item() / max(tops[k], floor) for k in ref)
 
 
 @pytest.mark.parametrize("family", families())
@@ -138,8 +143,7 @@ def test_family_trains_exactly_or_is_refused(family, monkeypatch, tmp_path):
                                                        mlp_chunk=CHUNK, offload=offload),
                                      parts=parts)
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, seg)
-        assert grads.keys() == ref.keys()
-        worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
+        worst = _worst(grads, ref)
         assert worst <= TOL, (family, seg, worst)
         verdicts.append(tiled_in_every_layer(counts, len(parts.layers)))
     assert verdicts[0] == verdicts[1] == (family in TILED_FAMILIES), (family, verdicts, counts)
@@ -166,7 +170,7 @@ def _packs_exactly_or_says_why(model, parts, family, ids, n):
                                      pack=True, pack_length=2 * n, parts=parts, metrics=metrics)
         assert metrics["sequences"] == 1
         assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, seg)
-        worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
+        worst = _worst(grads, ref)
         assert worst <= TOL, (family, "packed", seg, worst)
 
 
@@ -203,8 +207,7 @@ def test_named_family_preference_methods_are_exact(family):
                 assert got["prefix_shared"] == metrics["prefix_shared"]
                 assert abs(loss.item() - loss0.item()) <= TOL * max(abs(loss0.item()), 1e-3), \
                     (family, method, shared, seg)
-                worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item()
-                            for k in ref)
+                worst = _worst(grads, ref)
                 assert worst <= TOL, (family, method, shared, seg, worst)
 
 
@@ -250,7 +253,7 @@ def test_prefix_shared_preference_runs_exactly_or_falls_back(family):
                                                    mlp_chunk=CHUNK),
                                  prefix_shared=True, parts=parts)
     assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), family
-    worst = max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
+    worst = _worst(grads, ref)
     assert worst <= TOL, (family, worst)
 
 

@@ -10,7 +10,7 @@ import pytest
 from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import check_length, model_parts
 from segctl.engine.settings import StepMemory
-from tests.test_families import TOL, _lora, _scale, _vocab, tile_counter, tiled_in_every_layer
+from tests.test_families import TOL, _lora, _vocab, _worst, tile_counter, tiled_in_every_layer
 from tests.zoo import tiny_model
 
 pytestmark = pytest.mark.slow   # tiny models of three families, several steps each
@@ -20,11 +20,6 @@ def _row(model):
     n = check_length(getattr(model, "language_model", model)) + 35
     ids = mx.random.randint(1, _vocab(model), (n,), key=mx.random.key(0)).tolist()
     return Example(ids, n // 4)
-
-
-def _worst(grads, ref):
-    assert grads.keys() == ref.keys()
-    return max((mx.max(mx.abs(grads[k] - ref[k])) / _scale(ref, k)).item() for k in ref)
 
 
 def test_sinks_the_model_trains_get_their_gradient_rows_apart(monkeypatch):
