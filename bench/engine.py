@@ -55,9 +55,12 @@ from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: int = 0, *,
                 intermediate: int | None = None, heads: int | None = None,
                 kv_heads: int | None = None, head_dim: int | None = None,
-                tie: bool | None = None, rope_theta: float | None = None, quantize: int = 0):
+                tie: bool | None = None, rope_theta: float | None = None, quantize: int = 0,
+                kv_shared: int | None = None, layer_input: int | None = None):
     """The shape overrides (None: the defaults in the module docstring) apply to the
-    generic config only; gemma4_text and gemma3_text keep their own shapes.
+    generic config only; gemma4_text and gemma3_text keep their own shapes, but for
+    Gemma-4's layers that read a donor's K/V (`kv_shared`) and its per-layer
+    inputs' width (`layer_input`), which tell its kinds of layer apart.
     quantize=BITS (0 = off) quantizes the base model, every Linear and the Embedding
     (nn.quantize's default predicate, as mlx-lm's conversion does; group size 64),
     after set_dtype and before the LoRA layers go on: QLoRA."""
@@ -78,7 +81,9 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
                      rope_theta=rope_theta)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if arch == "gemma4_text":
-        cfg = gemma4_config(layers, dim, vocab)
+        cfg = gemma4_config(layers, dim, vocab, kv_shared, layer_input)
+    elif kv_shared is not None or layer_input is not None:
+        raise ValueError(f"--kv-shared and --layer-input are gemma4_text's, not {arch}'s")
     if arch == "gemma3_text":
         cfg = gemma3_config(layers, dim, vocab)
     if arch == "gpt_oss":
@@ -98,16 +103,19 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
     return model
 
 
-def gemma4_config(layers: int, dim: int, vocab: int) -> dict:
+def gemma4_config(layers: int, dim: int, vocab: int, kv_shared: int | None = None,
+                  layer_input: int | None = None) -> dict:
     """Gemma-4-E2B-like at (layers=35, dim=1536, vocab=262144): 8 query heads of 256
     (full-attention layers 512) over one K/V head, 4 sliding (window 512) to 1 full,
     the last 20/35 of the layers reading the K/V of the last earlier layer of their
-    type, 256-wide per-layer inputs, intermediate 4 x dim (double in sharers)."""
+    type (`kv_shared` of them, if given), 256-wide per-layer inputs (`layer_input`
+    wide, if given; 0: none), intermediate 4 x dim (double in sharers)."""
     return dict(model_type="gemma4_text", hidden_size=dim, num_hidden_layers=layers,
                 intermediate_size=4 * dim, num_attention_heads=8, head_dim=256,
                 global_head_dim=512, num_key_value_heads=1, rms_norm_eps=1e-6,
                 vocab_size=vocab, vocab_size_per_layer_input=vocab,
-                hidden_size_per_layer_input=256, num_kv_shared_layers=(20 * layers) // 35,
+                hidden_size_per_layer_input=256 if layer_input is None else layer_input,
+                num_kv_shared_layers=(20 * layers) // 35 if kv_shared is None else kv_shared,
                 sliding_window=512, sliding_window_pattern=5, final_logit_softcapping=30.0,
                 max_position_embeddings=131072, tie_word_embeddings=True)
 
@@ -141,7 +149,8 @@ def run(args) -> dict:
     model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype,
                         intermediate=args.intermediate, heads=args.heads,
                         kv_heads=args.kv_heads, head_dim=args.head_dim, tie=args.tie,
-                        rope_theta=args.rope_theta, quantize=args.quantize)
+                        rope_theta=args.rope_theta, quantize=args.quantize,
+                        kv_shared=args.kv_shared, layer_input=args.layer_input)
     margs = getattr(model, "args", None)
     mx.random.seed(123)
     ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
@@ -223,6 +232,9 @@ def run(args) -> dict:
         "head_dim": getattr(margs, "head_dim", None),
         "tie": getattr(margs, "tie_word_embeddings", None),
         "quantize": args.quantize,
+        # Gemma-4's variants (absent: the model's own)
+        **{k: v for k, v in (("kv_shared", args.kv_shared), ("layer_input", args.layer_input))
+           if v is not None},
         # what the planner's ModelInfo.weight_bytes is (the LoRA layers' few bytes too)
         "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
         "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
@@ -328,6 +340,11 @@ def parse(argv=None):
     p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
                    help="tied embeddings (default: tied; Llama-3.1-8B is --no-tie)")
     p.add_argument("--rope-theta", type=float, default=None, help="default 1e6")
+    p.add_argument("--kv-shared", type=int, default=None, metavar="N",
+                   help="gemma4_text: the last N layers read an earlier layer's K/V "
+                        "(default 20/35 of --layers; 0: every layer has its own)")
+    p.add_argument("--layer-input", type=int, default=None, metavar="WIDTH",
+                   help="gemma4_text: each layer's per-layer input width (default 256; 0: none)")
     p.add_argument("--quantize", type=int, default=0, metavar="BITS",
                    help="quantize the base model to BITS before LoRA (QLoRA; 0 = off)")
     p.add_argument("--seq", type=int, default=1024)
@@ -355,7 +372,10 @@ def parse(argv=None):
                    help="make the optimizer's state before the first step, so a one-step run "
                         "peaks as every later step does")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.arch != "gemma4_text" and (args.kv_shared is not None or args.layer_input is not None):
+        p.error(f"--kv-shared and --layer-input are gemma4_text's, not {args.arch}'s")
+    return args
 
 
 if __name__ == "__main__":

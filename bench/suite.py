@@ -179,6 +179,13 @@ PLANS = {
                             for seq in (32768, 49152, 65536, 98304)),
                           dict(GEMMA4_E2B, seq=32768, **MLX_CKPT, steps=1),
                           dict(GPT_OSS_20B, seq=32768, **MLX_CKPT)],
+    # Gemma-4's kinds of layer apart (bench/README, "Long rows of every family"): the
+    # same shape with no layer reading a donor's K/V, then with no per-layer inputs
+    # either, kept whole as the model's own layers are (--no-rows), on disk.
+    "gpu-gemma4-kinds": [dict(GEMMA4_E2B, seq=seq, **_seg(4096, offload=True), steps=1, rows=False,
+                              **variant)
+                         for variant in (dict(kv_shared=0), dict(kv_shared=0, layer_input=0))
+                         for seq in (32768, 131072)],
     # Which layers run rows apart on this device (a row's `rows`, `tokenwise`,
     # `whole_rows`): gpt-oss's on CUDA once ran whole. Two layers, a minute.
     "gpu-rows-probe": [dict(GPT_OSS_20B, layers=2, seq=8192,
@@ -217,7 +224,7 @@ THROUGHPUT = {
 
 # bench.engine flags that are argparse.BooleanOptionalAction: False renders --no-FLAG
 # (elsewhere False means "leave the flag out").
-NEGATABLE = {"tie"}
+NEGATABLE = {"tie", "rows"}
 
 
 def argv_of(cfg: dict) -> list[str]:

@@ -445,7 +445,10 @@ def _gpu_long_rows() -> list[tuple[dict, float]]:
     for line in (ROOT / "bench/results/h100-long-families.jsonl").read_text().splitlines():
         r = json.loads(line)
         config = {"gpt_oss": gpt_oss_config, "gemma4_text": gemma4_config}[r["arch"]]
-        if r["layers"] < 24 or r.get("impl") != "segctl" or r.get("cache_limit_gb") or \
+        # Gemma-4's variants (bench.suite gpu-gemma4-kinds) measure its kinds of layer
+        # apart, for a planner that plans them so; the issue's rows are the model's own
+        if "kv_shared" in r or "layer_input" in r or \
+                r["layers"] < 24 or r.get("impl") != "segctl" or r.get("cache_limit_gb") or \
                 (r["arch"] == "gpt_oss" and not r.get("rows") and "peak_so_far_gb" not in r) or \
                 not ("peak_gb" in r or "peak_so_far_gb" in r):
             continue
