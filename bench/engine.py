@@ -60,7 +60,8 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
     """The shape overrides (None: the defaults in the module docstring) apply to the
     generic config only; gemma4_text and gemma3_text keep their own shapes, but for
     Gemma-4's layers that read a donor's K/V (`kv_shared`) and its per-layer
-    inputs' width (`layer_input`), which tell its kinds of layer apart.
+    inputs' width (`layer_input`), which tell its kinds of layer apart and apply to
+    gemma4_text only (`parse` refuses them for another --arch).
     quantize=BITS (0 = off) quantizes the base model, every Linear and the Embedding
     (nn.quantize's default predicate, as mlx-lm's conversion does; group size 64),
     after set_dtype and before the LoRA layers go on: QLoRA."""
@@ -82,8 +83,6 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if arch == "gemma4_text":
         cfg = gemma4_config(layers, dim, vocab, kv_shared, layer_input)
-    elif kv_shared is not None or layer_input is not None:
-        raise ValueError(f"--kv-shared and --layer-input are gemma4_text's, not {arch}'s")
     if arch == "gemma3_text":
         cfg = gemma3_config(layers, dim, vocab)
     if arch == "gpt_oss":

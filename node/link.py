@@ -227,12 +227,9 @@ def rdma_devices(run=subprocess.run) -> list[str]:
         proc = run(["ibv_devices"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return []
-    out = []
-    for line in (proc.stdout or "").splitlines() if proc.returncode == 0 else []:
-        first = line.split()[0] if line.split() else ""
-        if first and first != "device" and not first.startswith("-"):
-            out.append(first)
-    return out
+    lines = (proc.stdout or "").splitlines() if proc.returncode == 0 else []
+    firsts = [words[0] for words in map(str.split, lines) if words]
+    return [w for w in firsts if w != "device" and not w.startswith("-")]
 
 
 def ring_endpoint(interface: str | None, fleet_address: str, ifaces=None, rdma=(),

@@ -123,7 +123,7 @@ def shape_facts(cfg: dict, where: str) -> dict:
     # A mixture of experts is planned with every layer's MLP the experts' (the
     # larger LoRA and, past one expert a token, the larger activations).
     def first(*keys):
-        return next((_count(cfg, k) for k in keys if _count(cfg, k)), 0)
+        return next((n for k in keys if (n := _count(cfg, k))), 0)
     experts = first("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
     per_tok = first("num_experts_per_tok", "moe_k") if experts else 0
     shared = 0
