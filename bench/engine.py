@@ -56,12 +56,14 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
                 intermediate: int | None = None, heads: int | None = None,
                 kv_heads: int | None = None, head_dim: int | None = None,
                 tie: bool | None = None, rope_theta: float | None = None, quantize: int = 0,
-                kv_shared: int | None = None, layer_input: int | None = None):
+                kv_shared: int | None = None, layer_input: int | None = None,
+                double_mlp: bool | None = None):
     """The shape overrides (None: the defaults in the module docstring) apply to the
     generic config only; gemma4_text and gemma3_text keep their own shapes, but for
-    Gemma-4's layers that read a donor's K/V (`kv_shared`) and its per-layer
-    inputs' width (`layer_input`), which tell its kinds of layer apart and apply to
-    gemma4_text only (`parse` refuses them for another --arch).
+    Gemma-4's layers that read a donor's K/V (`kv_shared`), its per-layer inputs'
+    width (`layer_input`) and its sharers' double-wide MLP (`double_mlp`), which
+    tell its kinds of layer apart and apply to gemma4_text only (`parse` refuses
+    them for another --arch).
     quantize=BITS (0 = off) quantizes the base model, every Linear and the Embedding
     (nn.quantize's default predicate, as mlx-lm's conversion does; group size 64),
     after set_dtype and before the LoRA layers go on: QLoRA."""
@@ -82,7 +84,7 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
                      rope_theta=rope_theta)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if arch == "gemma4_text":
-        cfg = gemma4_config(layers, dim, vocab, kv_shared, layer_input)
+        cfg = gemma4_config(layers, dim, vocab, kv_shared, layer_input, double_mlp)
     if arch == "gemma3_text":
         cfg = gemma3_config(layers, dim, vocab)
     if arch == "gpt_oss":
@@ -103,13 +105,15 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
 
 
 def gemma4_config(layers: int, dim: int, vocab: int, kv_shared: int | None = None,
-                  layer_input: int | None = None) -> dict:
+                  layer_input: int | None = None, double_mlp: bool | None = None) -> dict:
     """Gemma-4-E2B-like at (layers=35, dim=1536, vocab=262144): 8 query heads of 256
     (full-attention layers 512) over one K/V head, 4 sliding (window 512) to 1 full,
     the last 20/35 of the layers reading the K/V of the last earlier layer of their
     type (`kv_shared` of them, if given), 256-wide per-layer inputs (`layer_input`
-    wide, if given; 0: none), intermediate 4 x dim (double in sharers)."""
-    return dict(model_type="gemma4_text", hidden_size=dim, num_hidden_layers=layers,
+    wide, if given; 0: none), intermediate 4 x dim (double in sharers, unless
+    `double_mlp` is False)."""
+    return dict(use_double_wide_mlp=double_mlp is not False,
+                model_type="gemma4_text", hidden_size=dim, num_hidden_layers=layers,
                 intermediate_size=4 * dim, num_attention_heads=8, head_dim=256,
                 global_head_dim=512, num_key_value_heads=1, rms_norm_eps=1e-6,
                 vocab_size=vocab, vocab_size_per_layer_input=vocab,
@@ -149,7 +153,8 @@ def run(args) -> dict:
                         intermediate=args.intermediate, heads=args.heads,
                         kv_heads=args.kv_heads, head_dim=args.head_dim, tie=args.tie,
                         rope_theta=args.rope_theta, quantize=args.quantize,
-                        kv_shared=args.kv_shared, layer_input=args.layer_input)
+                        kv_shared=args.kv_shared, layer_input=args.layer_input,
+                        double_mlp=args.double_mlp)
     margs = getattr(model, "args", None)
     mx.random.seed(123)
     ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
@@ -232,8 +237,8 @@ def run(args) -> dict:
         "tie": getattr(margs, "tie_word_embeddings", None),
         "quantize": args.quantize,
         # Gemma-4's variants (absent: the model's own)
-        **{k: v for k, v in (("kv_shared", args.kv_shared), ("layer_input", args.layer_input))
-           if v is not None},
+        **{k: v for k, v in (("kv_shared", args.kv_shared), ("layer_input", args.layer_input),
+                             ("double_mlp", args.double_mlp)) if v is not None},
         # what the planner's ModelInfo.weight_bytes is (the LoRA layers' few bytes too)
         "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
         "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
@@ -344,6 +349,9 @@ def parse(argv=None):
                         "(default 20/35 of --layers; 0: every layer has its own)")
     p.add_argument("--layer-input", type=int, default=None, metavar="WIDTH",
                    help="gemma4_text: each layer's per-layer input width (default 256; 0: none)")
+    p.add_argument("--double-mlp", action=argparse.BooleanOptionalAction, default=None,
+                   help="gemma4_text: the layers reading a donor's K/V have an MLP twice as "
+                        "wide (default: they do, as Gemma-4-E2B's)")
     p.add_argument("--quantize", type=int, default=0, metavar="BITS",
                    help="quantize the base model to BITS before LoRA (QLoRA; 0 = off)")
     p.add_argument("--seq", type=int, default=1024)
@@ -372,8 +380,10 @@ def parse(argv=None):
                         "peaks as every later step does")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
     args = p.parse_args(argv)
-    if args.arch != "gemma4_text" and (args.kv_shared is not None or args.layer_input is not None):
-        p.error(f"--kv-shared and --layer-input are gemma4_text's, not {args.arch}'s")
+    variants = (args.kv_shared, args.layer_input, args.double_mlp)
+    if args.arch != "gemma4_text" and any(v is not None for v in variants):
+        p.error(f"--kv-shared, --layer-input and --double-mlp are gemma4_text's, "
+                f"not {args.arch}'s")
     return args
 
 

@@ -180,12 +180,16 @@ PLANS = {
                           dict(GEMMA4_E2B, seq=32768, **MLX_CKPT, steps=1),
                           dict(GPT_OSS_20B, seq=32768, **MLX_CKPT)],
     # Gemma-4's kinds of layer apart (bench/README, "Long rows of every family"): the
-    # same shape with no layer reading a donor's K/V, then with no per-layer inputs
-    # either, kept whole as the model's own layers are (--no-rows), on disk.
-    "gpu-gemma4-kinds": [dict(GEMMA4_E2B, seq=seq, **_seg(4096, offload=True), steps=1, rows=False,
-                              **variant)
-                         for variant in (dict(kv_shared=0), dict(kv_shared=0, layer_input=0))
-                         for seq in (32768, 131072)],
+    # same shape with the sharers' MLP as wide as the others', then with no layer
+    # reading a donor's K/V, then with no per-layer inputs either, kept whole as the
+    # model's own layers are (--no-rows); on disk, and at 32K in memory, where the
+    # model's own last layer (a sharer) is the peak.
+    "gpu-gemma4-kinds": [dict(GEMMA4_E2B, seq=seq, **_seg(4096, offload=disk), steps=1,
+                              rows=False, **variant)
+                         for variant in (dict(double_mlp=False), dict(kv_shared=0),
+                                         dict(kv_shared=0, layer_input=0))
+                         for seq, disk in ((32768, False), (32768, True), (131072, True))
+                         if seq < 131072 or "kv_shared" in variant],
     # Which layers run rows apart on this device (a row's `rows`, `tokenwise`,
     # `whole_rows`): gpt-oss's on CUDA once ran whole. Two layers, a minute.
     "gpu-rows-probe": [dict(GPT_OSS_20B, layers=2, seq=8192,
@@ -224,7 +228,7 @@ THROUGHPUT = {
 
 # bench.engine flags that are argparse.BooleanOptionalAction: False renders --no-FLAG
 # (elsewhere False means "leave the flag out").
-NEGATABLE = {"tie", "rows"}
+NEGATABLE = {"tie", "rows", "double_mlp"}
 
 
 def argv_of(cfg: dict) -> list[str]:

@@ -102,3 +102,24 @@ def test_a_failed_row_shows_in_the_table_and_bad_input_is_one_line(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == (f"bench.suite table: {bad}, line 3: not a bench.engine "
                                          "row (no arch, layers, dim, dtype, seq)")
+
+
+def test_gemma4_variants_change_only_the_kind_of_layer_they_name(capsys):
+    """bench.engine's Gemma-4 variants (the gpu-gemma4-kinds plan): --no-double-mlp
+    leaves the K/V sharers reading their donor's K/V with the others' MLP width;
+    --kv-shared 0 gives every layer K/V of its own (and so the single MLP);
+    --layer-input 0 drops the per-layer inputs. Another family refuses them."""
+    def shape(**variant):
+        model = engine.bench_model("gemma4_text", 10, 128, 512, "float32", **variant)
+        layers = model.model.layers
+        return ([l.mlp.gate_proj.linear.weight.shape[0] for l in layers],
+                [l.self_attn.has_kv for l in layers], layers[0].per_layer_input_gate is not None)
+
+    widths, own_kv, inputs = shape()
+    assert widths == [512] * 5 + [1024] * 5 and own_kv == [True] * 5 + [False] * 5 and inputs
+    assert shape(double_mlp=False) == ([512] * 10, own_kv, True)
+    assert shape(kv_shared=0) == ([512] * 10, [True] * 10, True)
+    assert shape(kv_shared=0, layer_input=0) == ([512] * 10, [True] * 10, False)
+    with pytest.raises(SystemExit) as e:
+        engine.parse(["--arch", "llama", "--no-double-mlp"])
+    assert e.value.code == 2 and "gemma4_text's, not llama's" in capsys.readouterr().err
