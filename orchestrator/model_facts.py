@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from segctl.schemas.limits import check_model_config, read_model_config
 
@@ -42,11 +42,18 @@ class ModelInfo:
     experts: int = 0
     experts_per_tok: int = 0
     shared: int = 0
+    # Layers of more than one kind (Gemma-4): each kind once, as (upto, head_dim,
+    # intermediate, own_kv) with `upto` one past its last layer (LayerKind); the
+    # fields above then hold the widest kind's head_dim and intermediate. (): alike.
+    kinds: tuple = ()
 
     def to_dict(self) -> dict:
         # A field at its default stays out, so the plan tables of models without it
         # keep their names (model_key hashes this dict).
-        return {k: v for k, v in asdict(self).items() if k not in OPTIONAL_FACTS or v}
+        d = {k: v for k, v in asdict(self).items() if k not in OPTIONAL_FACTS or v}
+        if self.kinds:
+            d["kinds"] = [list(k) for k in self.kinds]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelInfo":
@@ -55,8 +62,8 @@ class ModelInfo:
         if missing:
             raise ValueError(f"model info lacks {', '.join(missing)}")
         values: dict[str, Any] = {n: d[n] if n == "model_type" else int(d[n])
-                                  for n in names if n in d}
-        info = cls(**values)
+                                  for n in names if n in d and n != "kinds"}
+        info = cls(**values, kinds=_kinds_of(d.get("kinds") or [], values.get("n_layers", 0)))
         # The head plans from this dict as it arrives: hold it to config.json's bounds.
         check_model_config(dict(model_type=info.model_type, num_hidden_layers=info.n_layers,
                                 hidden_size=info.hidden, intermediate_size=info.intermediate,
@@ -72,7 +79,38 @@ class ModelInfo:
         return info
 
 
-OPTIONAL_FACTS = ("layer_input", "experts", "experts_per_tok", "shared")   # ModelInfo's facts that default to 0
+OPTIONAL_FACTS = ("layer_input", "experts", "experts_per_tok", "shared", "kinds")   # default 0 / ()
+
+
+class LayerKind(NamedTuple):
+    """Layers of one kind: `upto` is one past the last of them; `own_kv`: 1 where
+    they make their own K/V, 0 where they read a donor layer's (Gemma-4)."""
+    upto: int
+    head_dim: int
+    intermediate: int
+    own_kv: int
+
+
+def _kinds_of(raw, n_layers: int) -> tuple:
+    """ModelInfo.kinds from its dict form (a list of 4-number lists), each held to
+    the model's bounds: the head plans from it as it arrives."""
+    if not isinstance(raw, list) or len(raw) > n_layers:
+        raise ValueError(f"model info: kinds: expected a list of at most {n_layers}, "
+                         f"got {str(raw)[:80]}")
+    out = []
+    for k in raw:
+        if not (isinstance(k, list) and len(k) == 4 and
+                all(isinstance(v, int) and not isinstance(v, bool) for v in k)):
+            raise ValueError(f"model info: kinds: {k!r} is not [upto, head_dim, "
+                             "intermediate, own_kv]")
+        kind = LayerKind(*k)
+        check_model_config(dict(model_type="kind", num_hidden_layers=kind.upto,
+                                head_dim=kind.head_dim,
+                                intermediate_size=kind.intermediate), "model info kinds")
+        if kind.upto > n_layers or kind.own_kv not in (0, 1):
+            raise ValueError(f"model info: kinds: {k!r} out of range")
+        out.append(kind)
+    return tuple(out)
 
 
 def model_info(model_dir: str) -> ModelInfo:
@@ -113,13 +151,15 @@ def shape_facts(cfg: dict, where: str) -> dict:
     model_type = str(cfg.get("model_type", "?"))
     intermediate = whole("intermediate_size", "ffn_dim", default=4 * hidden)
     head_dim = whole("head_dim", default=hidden // heads)
-    # Layers of two kinds are planned as the larger (the peak is the worst layer's):
-    # Gemma-4's full-attention layers have heads of global_head_dim, and the layers
-    # reading a donor's K/V an MLP twice as wide (mlx-lm's use_double_wide_mlp).
-    head_dim = max(head_dim, whole("global_head_dim", default=head_dim))
-    if _count(cfg, "num_kv_shared_layers") and \
-            cfg.get("use_double_wide_mlp", model_type.startswith("gemma4")) is True:
-        intermediate *= 2
+    n_layers = whole("num_hidden_layers", "n_layer", "num_layers")
+    # Gemma-4's layers are of up to four kinds: full-attention ones have heads of
+    # global_head_dim, and the layers reading a donor's K/V make none of their own
+    # and have an MLP twice as wide (mlx-lm's use_double_wide_mlp). The planner
+    # plans each kind (`kinds`); the fields hold the widest.
+    kinds = _layer_kinds(cfg, model_type, n_layers, head_dim, intermediate)
+    if kinds:
+        head_dim = max(k.head_dim for k in kinds)
+        intermediate = max(k.intermediate for k in kinds)
     # A mixture of experts is planned with every layer's MLP the experts' (the
     # larger LoRA and, past one expert a token, the larger activations).
     def first(*keys):
@@ -131,12 +171,37 @@ def shape_facts(cfg: dict, where: str) -> dict:
         intermediate = whole("moe_intermediate_size", default=intermediate)
         shared = (first("shared_expert_intermediate_size")
                   or intermediate * first("n_shared_experts", "moe_num_shared_experts"))
-    return dict(model_type=model_type, n_layers=whole("num_hidden_layers", "n_layer", "num_layers"),
+    return dict(model_type=model_type, n_layers=n_layers,
                 hidden=hidden, intermediate=intermediate, heads=heads,
                 kv_heads=whole("num_key_value_heads", default=heads), head_dim=head_dim,
                 vocab=whole("vocab_size"),
                 layer_input=_count(cfg, "hidden_size_per_layer_input"),   # Gemma-4's
-                experts=experts, experts_per_tok=per_tok, shared=shared)
+                experts=experts, experts_per_tok=per_tok, shared=shared, kinds=kinds)
+
+
+def _layer_kinds(cfg: dict, model_type: str, n: int, head_dim: int, intermediate: int) -> tuple:
+    """Gemma-4's kinds of layer (ModelInfo.kinds), as mlx-lm builds them: layer i is
+    full attention by `layer_types` (else every `sliding_window_pattern`-th, 5 by
+    default), and reads a donor's K/V among the last `num_kv_shared_layers`. ()
+    where every layer is alike."""
+    wide = _count(cfg, "global_head_dim")
+    shared = min(_count(cfg, "num_kv_shared_layers"), n)
+    if not wide and not shared:
+        return ()
+    types = cfg.get("layer_types")
+    if not (isinstance(types, list) and len(types) == n):
+        every = _count(cfg, "sliding_window_pattern") or 5
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding" for i in range(n)]
+    double = bool(shared) and cfg.get("use_double_wide_mlp", model_type.startswith("gemma4")) is True
+    upto: dict[tuple, int] = {}
+    for i, kind in enumerate(types):
+        sharer = i >= n - shared
+        key = (wide if wide and kind == "full_attention" else head_dim,
+               intermediate * (2 if sharer and double else 1), 0 if sharer else 1)
+        upto[key] = i + 1
+    if len(upto) < 2:
+        return ()
+    return tuple(sorted(LayerKind(last, *key) for key, last in upto.items()))
 
 
 def _count(cfg: dict, key: str) -> int:

@@ -16,8 +16,8 @@ forward holds its [heads, L, L] scores for a moment, or one block's
 [heads, attn_block, L] on a row longer than a block (the step's masks cut every
 pass of attention into blocks there). MLX on CUDA fuses it: some rows past 32K
 tokens were over-predicted up to 2x there, while gpt-oss's and Gemma-4's long
-rows on an H100 are within 10% with the boundaries on disk (bench/README.md);
-a fleet corrects a systematic error with the planner's `scale`.
+rows on an H100 are within 10%, Gemma-4's planned kind of layer by kind
+(bench/README.md); a fleet corrects a systematic error with the planner's `scale`.
 
 `plan` turns predictions into a decision against a node's budget:
 `memory.segment_size: auto` gets the fastest size whose prediction stays under
@@ -28,6 +28,7 @@ estimate, and its measured step times say which size is fastest.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 # re-exported: the planner's callers read a model's facts through it
+from segctl.orchestrator.model_facts import LayerKind
 from segctl.orchestrator.model_facts import ModelInfo as ModelInfo
 from segctl.orchestrator.model_facts import model_info as model_info
 from segctl.orchestrator.model_facts import shape_facts as shape_facts
@@ -97,6 +99,8 @@ ROW_WIDTH = 5.1          # a chunk's per-token activations (_layer_width) that a
 PASS_WIDTH = 1.6         # ... that one vjp pass of a layer's backward in passes holds, whole-row,
 PASS_MLP = 3.9           # ... and of its MLP's share: the MLP's values and gradients at once
 PASS_HALF_BYTES = 3.4    # bytes per entry of a pass in a bf16/fp16 model
+LAYER_INPUT_VALUES = 3   # hidden-wide values per token a layer with a per-layer input adds (its
+                         # projection, norm, residual): fitted on Gemma-4 rows on an H100
 
 TIME_TIE = 0.10          # measured step times this close count as equal (auto takes the larger size)
 DISK_GBPS = 2.0          # boundaries written and read back per second with memory.offload disk:
@@ -311,8 +315,8 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
 
     def worst(s):
         return max(_peak_bytes(info, L, s, lora_rank, n_lora, head_chunk, attn_block,
-                               grad_checkpoint, streams, mlp_chunk, offload, rows)
-                   for L in lengths) / GB
+                               grad_checkpoint, streams, mlp_chunk, offload, rows, kind)
+                   for L in lengths for kind in _kinds(info, s, 0 < mlp_chunk < L)) / GB
 
     if top == 0:
         return [worst(0)]
@@ -322,12 +326,28 @@ def _curve(info: ModelInfo, seq_len: int, top: int, lora_rank: int, lora_layers:
     return out
 
 
-def _layer_width(info: ModelInfo) -> int:
+def _kinds(info: ModelInfo, s: int, chunked: bool) -> list:
+    """The layers to plan a segmented step by: each kind of a model whose layers
+    differ (ModelInfo.kinds), else the one kind (None: the widest layer, as the
+    fields give it). A kind whose MLP runs in chunks is planned at the narrowest
+    MLP: its chunks' work runs between the layer's passes, and on an H100 a
+    Gemma-4 K/V sharer's double-wide MLP moved no layer's peak (bench/README.md,
+    "Long rows of every family")."""
+    if not info.kinds or s == 0:
+        return [None]
+    narrow = min(k.intermediate for k in info.kinds)
+    return [k._replace(intermediate=narrow) if chunked else k for k in info.kinds]
+
+
+def _layer_width(info: ModelInfo, own_kv: bool = True) -> int:
     """Values per token a decoder layer keeps for its backward: its input and both
-    norm outputs and the residual (4 x hidden); q, k, v before and after norm/RoPE
-    and the attention output (3 x (heads + kv_heads) x head_dim); the MLP's gate,
-    up, activation and product (`_mlp_width`)."""
-    return 4 * info.hidden + 3 * (info.heads + info.kv_heads) * info.head_dim + _mlp_width(info)
+    norm outputs and the residual (4 x hidden), and LAYER_INPUT_VALUES more with a
+    per-layer input; q, k, v before and after norm/RoPE and the attention output
+    (3 x (heads + kv_heads) x head_dim; a layer reading a donor's K/V makes none);
+    the MLP's gate, up, activation and product (`_mlp_width`)."""
+    hidden = 4 + (LAYER_INPUT_VALUES if info.layer_input else 0)
+    kv = info.kv_heads if own_kv else 0
+    return hidden * info.hidden + 3 * (info.heads + kv) * info.head_dim + _mlp_width(info)
 
 
 def _mlp_width(info: ModelInfo) -> int:
@@ -351,9 +371,12 @@ def _lora_params(info: ModelInfo, rank: int, n_layers: int) -> int:
 
 def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_chunk: int,
                 attn_block: int, grad_checkpoint: bool, streams: int = 1,
-                mlp_chunk: int = 0, offload: bool = False, rows: bool = True) -> float:
+                mlp_chunk: int = 0, offload: bool = False, rows: bool = True,
+                kind: LayerKind | None = None) -> float:
     """Peak bytes of one step on a row of L tokens at segment size s (0: plain);
-    `rows`: a family of ROWWISE_FAMILIES runs its layers rows apart.
+    `rows`: a family of ROWWISE_FAMILIES runs its layers rows apart; `kind`: the
+    backward of that kind's last layer (None: of any layer, planned as the widest),
+    with the boundaries of the segments before it held.
 
     ORPO two-branch (streams 2) keeps both branches' boundaries, dh and head
     gradients through the step (plain: both forwards' activations), with each
@@ -376,6 +399,10 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     resident = info.weight_bytes + LORA_COPIES * F32 * _lora_params(info, rank, n_lora)
     # Per-layer inputs (Gemma-4): every layer's, for every token, made once a stream.
     resident += streams * L * n * info.layer_input * info.act_bytes
+    # What follows is one layer's: the kind's heads and MLP, its own K/V or a donor's.
+    own_kv = kind is None or bool(kind.own_kv)
+    if kind is not None:
+        info = dataclasses.replace(info, head_dim=kind.head_dim, intermediate=kind.intermediate)
     # One [L, hidden] hidden state: a segment boundary, dh, a recomputed layer input.
     # Stored, it is the model's dtype (`state`); being computed, it costs `a`.
     hidden_state = L * info.hidden * a
@@ -389,7 +416,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     sa = a if a >= F32 else HALF_SCORE_BYTES   # a forward block's scores, in half precision
     block_scores = info.heads * attn_block * L * sa if blocked else scores
     # A decoder layer's per-token activations (projections, norms, MLP).
-    width = L * _layer_width(info) * a
+    width = L * _layer_width(info, own_kv) * a
     # What a layer under vjp keeps for its backward; what running its backward or
     # its forward adds while it runs.
     layer_saved = SAVED_WIDTH * width + SAVED_SCORES * scores
@@ -414,7 +441,11 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     # a segment works on is in memory (twice as it arrives: read, then copied into
     # MLX), and one more in flight (being written in the forward, read ahead in the
     # backward: engine/offload.py); one more for the allocator's slack, fitted.
-    boundaries = streams * ((4 if offload else math.ceil(n / s)) + HELD_STATES) * state
+    # In memory, a kind's backward holds the boundaries up to its last layer's segment.
+    held = 4 if offload else math.ceil(n / s)
+    held_back = held if offload or kind is None else math.ceil(kind.upto / s)
+    boundaries = streams * (held + HELD_STATES) * state
+    boundaries_back = streams * (held_back + HELD_STATES) * state
     # Attention's query-sized ([L, heads x head_dim]) values, stored, and its K/V
     # entries per head.
     qo = L * info.heads * info.head_dim * info.act_bytes
@@ -443,7 +474,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
         # their LoRA, RoPE, residuals, the MLP) runs mlp_chunk rows at a time; only
         # q, k, v, the attention output, their gradients (dk, dv summed in fp32),
         # the layer's input and its input gradient are whole-row.
-        chunk_width = mlp_chunk * _layer_width(info) * a
+        chunk_width = mlp_chunk * _layer_width(info, own_kv) * a
         # The chunks' outputs and input gradients are joined at the end: two
         # [L, hidden] copies for a moment, in the forward and the backward; so
         # are dO's chunks and dq's blocks (q, o, dO, dq and one join: 5 x [L, q]).
@@ -451,7 +482,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
                          + TRANSIENT_WIDTH * chunk_width + FORWARD_SCORES * block_scores)
         # A chunk's vjp, counted at the model's dtype (fitted so: its half-precision
         # premium is in ROW_WIDTH).
-        chunk_vjp = ROW_WIDTH * mlp_chunk * _layer_width(info) * info.act_bytes
+        chunk_vjp = ROW_WIDTH * mlp_chunk * _layer_width(info, own_kv) * info.act_bytes
         segment = s * state + max(attention, chunk_vjp)
     elif pieces:
         # A layer's backward in passes (engine/layer.py): each pass a vjp of the
@@ -470,7 +501,7 @@ def _peak_bytes(info: ModelInfo, L: int, s: int, rank: int, n_lora: int, head_ch
     else:
         # The segment's s layers under one vjp, then the backward of each.
         segment = s * layer_saved + layer_backward
-    return resident + boundaries + max(layer_forward, head, segment)
+    return resident + max(boundaries + max(layer_forward, head), boundaries_back + segment)
 
 
 def kv_grad_sums(info: ModelInfo, L: int) -> float:

@@ -245,6 +245,8 @@ def test_longest_row_is_the_engine_datasets_longest_example(demo_dir):
     ("minicpm", 256, 0, 2048, 4096, False),  # plain autodiff
     ("qwen3", 512, 1, 128, 64, False),      # and the MLP in chunks of rows
     ("llama", 512, 1, 2048, 100, True),     # MLP chunks, boundaries on disk
+    ("gemma4_text", 512, 1, 128, 64, False),  # kinds of layer, per-layer inputs, in pieces
+    ("gemma4_text", 512, 2, 128, 64, True),
 ])
 def test_prediction_bounds_the_measured_peak(tiny_models, arch, seq, segment_size, attn_block,
                                              mlp_chunk, offload, tmp_path):
@@ -379,23 +381,42 @@ def test_offload_auto_takes_the_disk_only_where_memory_is_too_small():
         job(0, offload="disk")
 
 
-def test_gemma4_is_planned_as_its_largest_layer_with_its_per_layer_inputs(tiny_models):
-    """model_info takes Gemma-4's widest heads (global_head_dim), the double-wide
-    MLP of its K/V sharers and its per-layer inputs; a model without per-layer
-    inputs keeps the dict (and so the plan table name) it had."""
+def test_gemma4_is_planned_by_its_kinds_of_layer_with_its_per_layer_inputs(tiny_models):
+    """model_info reads Gemma-4's kinds of layer (sliding or full attention, whose
+    heads are global_head_dim wide; K/V of their own, or a donor's with the double-wide
+    MLP) and its per-layer inputs, the fields holding the widest kind; a model
+    without either keeps the dict (and so the plan table name) it had. In memory,
+    each kind's backward holds only the boundaries up to its last layer."""
     folder = tiny_models["gemma4_text"]
     config = json.loads((folder / "config.json").read_text())
     info = model_info(str(folder))
-    assert info.head_dim == max(config["head_dim"], config["global_head_dim"])
-    assert info.intermediate == 2 * config["intermediate_size"]
+    hd, wide, inter = config["head_dim"], config["global_head_dim"], config["intermediate_size"]
+    # 6 layers s f s | f s f, the last 3 reading a donor's K/V
+    assert info.kinds == ((2, wide, inter, 1), (3, hd, inter, 1), (5, hd, 2 * inter, 0),
+                          (6, wide, 2 * inter, 0))
+    assert (info.head_dim, info.intermediate) == (wide, 2 * inter)
     assert info.layer_input == config["hidden_size_per_layer_input"] > 0
     assert ModelInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
     plain = model_info(str(tiny_models["qwen3"]))
-    assert "layer_input" not in plain.to_dict()
+    assert "layer_input" not in plain.to_dict() and "kinds" not in plain.to_dict()
     assert ModelInfo.from_dict(plain.to_dict()) == plain
     at = dict(seq_len=4096, segment_size=1)
     held = predict_gb(info, **at) - predict_gb(dataclasses.replace(info, layer_input=0), **at)
-    assert held == pytest.approx(4096 * info.n_layers * info.layer_input * info.act_bytes / 1e9)
+    assert held >= 4096 * info.n_layers * info.layer_input * info.act_bytes / 1e9
+    # Gemma-4-E2B's shape at 32K: planned as its widest layer everywhere, it would be
+    # predicted more (a K/V sharer, last, with full attention's heads, own K/V and
+    # the double MLP), most with the boundaries in memory.
+    from bench.engine import gemma4_config
+    from segctl.orchestrator.planner import shape_facts
+    e2b = ModelInfo(**shape_facts(gemma4_config(35, 1536, 262144), "E2B"),
+                    weight_bytes=9_309_469_254, act_bytes=2)
+    widest = dataclasses.replace(e2b, kinds=())
+    kw = dict(seq_len=32768, segment_size=1, attn_block=1024, mlp_chunk=4096)
+    disk, memory = ([predict_gb(m, **kw, offload=offload) for m in (e2b, widest)]
+                    for offload in (True, False))
+    assert disk[0] < disk[1] and memory[1] - memory[0] > disk[1] - disk[0] > 0
+    with pytest.raises(ValueError, match="kinds"):
+        ModelInfo.from_dict({**info.to_dict(), "kinds": [[7, hd, inter, 1]]})   # past layer 6
 
 
 # MoE families of the zoo: the LoRA the planner counts against the LoRA the engine
@@ -445,14 +466,16 @@ def _gpu_long_rows() -> list[tuple[dict, float]]:
     for line in (ROOT / "bench/results/h100-long-families.jsonl").read_text().splitlines():
         r = json.loads(line)
         config = {"gpt_oss": gpt_oss_config, "gemma4_text": gemma4_config}[r["arch"]]
-        # Gemma-4's variants (bench.suite gpu-gemma4-kinds) measure its kinds of layer
-        # apart, for a planner that plans them so; the issue's rows are the model's own
-        if "kv_shared" in r or "layer_input" in r or \
+        # Gemma-4's variants (bench.suite gpu-gemma4-kinds) are planned by their own
+        # kinds; without per-layer inputs a layer's backward grew past the plan at
+        # 128K (bench/README.md), so those rows are not held to it
+        if r.get("layer_input") == 0 or \
                 r["layers"] < 24 or r.get("impl") != "segctl" or r.get("cache_limit_gb") or \
                 (r["arch"] == "gpt_oss" and not r.get("rows") and "peak_so_far_gb" not in r) or \
                 not ("peak_gb" in r or "peak_so_far_gb" in r):
             continue
-        info = ModelInfo(**shape_facts(config(r["layers"], r["dim"], r["vocab"]), "row"),
+        variant = {k: r[k] for k in ("kv_shared", "layer_input", "double_mlp") if k in r}
+        info = ModelInfo(**shape_facts(config(r["layers"], r["dim"], r["vocab"], **variant), "row"),
                          weight_bytes=r["weight_bytes"], act_bytes=2)
         out.append((r, predict_gb(info, seq_len=r["seq"], segment_size=r["segment_size"],
                                   attn_block=r["attn_block"], mlp_chunk=r["mlp_chunk"],
@@ -461,12 +484,10 @@ def _gpu_long_rows() -> list[tuple[dict, float]]:
 
 
 def test_the_gpu_long_rows_of_gpt_oss_and_gemma4_are_predicted_within_10_percent():
-    """With the boundaries on disk, every such row at a run's steady peak (gpt-oss:
-    the optimizer's moments of its experts' LoRA held, which a first step alone
-    never holds) is predicted within 10% either way; a row cut short before its
-    step ended bounds the ratio from above only. In memory, where the heaviest
-    layer's backward comes after the early layers' boundaries are freed, the
-    planner is over, by at most 15%."""
+    """Every such row at a run's steady peak (gpt-oss: the optimizer's moments of its
+    experts' LoRA held, which a first step alone never holds), the boundaries on
+    disk or in memory, Gemma-4's variants too, is predicted within 10% either way;
+    a row cut short before its step ended bounds the ratio from above only."""
     rows = _gpu_long_rows()
     steady = [(r, got) for r, got in rows if r["arch"] == "gemma4_text"
               or r.get("optimizer_state") or r["steps"] > 1]
@@ -476,7 +497,5 @@ def test_the_gpu_long_rows_of_gpt_oss_and_gemma4_are_predicted_within_10_percent
     for r, got in steady:
         if "peak_so_far_gb" in r:
             assert got / r["peak_so_far_gb"] <= 1.1, (r["seq"], got)
-        elif r["offload"]:
-            assert 0.9 <= got / r["peak_gb"] <= 1.1, (r["arch"], r["seq"], got, r["peak_gb"])
         else:
-            assert 1.0 <= got / r["peak_gb"] <= 1.15, (r["arch"], r["seq"], got, r["peak_gb"])
+            assert 0.9 <= got / r["peak_gb"] <= 1.1, (r["arch"], r["seq"], got, r["peak_gb"])
