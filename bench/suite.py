@@ -190,6 +190,11 @@ PLANS = {
                                          dict(kv_shared=0, layer_input=0))
                          for seq, disk in ((32768, False), (32768, True), (131072, True))
                          if seq < 131072 or "kv_shared" in variant],
+    # gpt-oss's 64K row at its own shape with 2 layers: on a fresh machine MLX builds
+    # its CUDA kernels (minutes) here, so that the whole-model row (the first of
+    # gpu-long-families, ~420 s a step) fits in the next 600-s call on that machine.
+    "gpu-gpt-oss-warm": [dict(GPT_OSS_20B, layers=2, seq=65536, optimizer_state=True,
+                              **dict(_seg(4096, offload=True), attn_block=256))],
     # Which layers run rows apart on this device (a row's `rows`, `tokenwise`,
     # `whole_rows`): gpt-oss's on CUDA once ran whole. Two layers, a minute.
     "gpu-rows-probe": [dict(GPT_OSS_20B, layers=2, seq=8192,
