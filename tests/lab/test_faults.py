@@ -620,11 +620,11 @@ def off_until_done(lab, sid: str, host: str) -> None:
         run(lab, "h1", "segctl cluster up cluster.yaml --json", timeout=240)
 
 
-def ring_ended(got: dict, victim: dict) -> None:
-    """The victim attempt ended as a lost node, named, and the trial went on from
-    a checkpoint, on two nodes, to SUCCEEDED."""
+def ring_ended(got: dict, victim: dict, ways: tuple = (Outcome.NODE_LOST,)) -> None:
+    """The victim attempt ended in one of `ways` (a lost node), with a message, and
+    the trial went on from a checkpoint, on two nodes, to SUCCEEDED."""
     [ended] = [a for a in got["attempts"] if a["id"] == victim["id"]]
-    assert ended["outcome"] == Outcome.NODE_LOST, ended
+    assert ended["outcome"] in ways and ended["message"], ended
     later = later_attempts(got, ended)
     assert later and later[0]["resume_step"] and len(later[0]["node"].split(",")) == 2, later
     assert all(t["state"] == TrialState.SUCCEEDED for t in got["trials"].values())
@@ -673,7 +673,10 @@ def test_i_a_ring_link_cut_mid_allreduce(whole, watch):
         link(lab, host, up=True)
     wait_done(lab, sid, 180)
     got = check(lab, sid, watch)
-    ring_ended(got, victim)
+    # Cut off, the host is seen lost, or its agent failed (its calls to the head
+    # failing meanwhile), by which Ray notices first (a loaded CI machine saw the
+    # second): either way the attempt is retried from its checkpoint.
+    ring_ended(got, victim, (Outcome.NODE_LOST, Outcome.AGENT_ERROR))
     same_as_undisturbed(lab, sid, watch)
     print(f"\n[i] {sid}: {host}'s link cut for 20 s; {time.monotonic() - t0:.0f} s")
 
