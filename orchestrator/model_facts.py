@@ -160,6 +160,7 @@ def shape_facts(cfg: dict, where: str) -> dict:
     if kinds:
         head_dim = max(k.head_dim for k in kinds)
         intermediate = max(k.intermediate for k in kinds)
+    kinds = kinds if len(kinds) > 1 else ()   # one kind: the fields say it all
     # A mixture of experts is planned with every layer's MLP the experts' (the
     # larger LoRA and, past one expert a token, the larger activations).
     def first(*keys):
@@ -183,7 +184,7 @@ def _layer_kinds(cfg: dict, model_type: str, n: int, head_dim: int, intermediate
     """Gemma-4's kinds of layer (ModelInfo.kinds), as mlx-lm builds them: layer i is
     full attention by `layer_types` (else every `sliding_window_pattern`-th, 5 by
     default), and reads a donor's K/V among the last `num_kv_shared_layers`. ()
-    where every layer is alike."""
+    for a model without either."""
     wide = _count(cfg, "global_head_dim")
     shared = min(_count(cfg, "num_kv_shared_layers"), n)
     if not wide and not shared:
@@ -199,8 +200,6 @@ def _layer_kinds(cfg: dict, model_type: str, n: int, head_dim: int, intermediate
         key = (wide if wide and kind == "full_attention" else head_dim,
                intermediate * (2 if sharer and double else 1), 0 if sharer else 1)
         upto[key] = i + 1
-    if len(upto) < 2:
-        return ()
     return tuple(sorted(LayerKind(last, *key) for key, last in upto.items()))
 
 
