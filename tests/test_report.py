@@ -78,13 +78,20 @@ def test_watch_of_an_unknown_sweep_is_one_line(swept):
     assert_one_line_error(segctl("status", "nope-1", "--watch", env=swept["env"]), "nope-1")
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C at its default in the child, as a terminal's shell starts a command: a
+    test run started in the background (`make test &`) has it ignored, and the child
+    would inherit that (Python installs its handler only over the default)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_watch_quits_on_ctrl_c_with_0_piped_and_on_a_terminal(swept):
     cmd = [sys.executable, "-m", "segctl.orchestrator.cli", "status", swept["sweep"], "--watch",
            "--interval", "0.2"]
     env = cli_env() | {"SEGCTL_HOME": str(swept["home"])}
     env.pop("SEGCTL_CLUSTER", None)
     piped = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env)
+                             env=env, preexec_fn=_as_from_a_terminal)
     json.loads(piped.stdout.readline())   # it is watching
     piped.send_signal(signal.SIGINT)
     out, err = piped.communicate(timeout=60)
@@ -93,7 +100,7 @@ def test_watch_quits_on_ctrl_c_with_0_piped_and_on_a_terminal(swept):
     # on a terminal: the live table, and the cursor shown again when it quits
     main, sub = pty.openpty()
     live = subprocess.Popen(cmd, stdin=sub, stdout=sub, stderr=sub, env=env | {"COLUMNS": "160"},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_from_a_terminal)
     os.close(sub)
     seen = b""
     deadline = time.time() + 60
