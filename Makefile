@@ -74,7 +74,7 @@ lint: $(STAMP)
 
 # The inner loop: everything but Ray fleets, the lab and the model-family walk.
 test-fast: install
-	$(RUN) $(BIN)/python -m pytest -q -m "not fleet and not slow"
+	$(RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not fleet and not slow"
 
 clean:
 	rm -rf $(VENV) $(DEMO) .pytest_cache
