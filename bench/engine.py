@@ -97,10 +97,6 @@ def bench_model(arch: str, layers: int, dim: int, vocab: int, dtype: str, seed: 
     model.set_dtype(getattr(mx, dtype))
     if quantize:
         nn.quantize(model, group_size=64, bits=quantize)
-    # Made a layer at a time: evaluated whole, the graph holds every layer's float32
-    # weights before the first is cast or quantized (gpt-oss-20b's experts: ~76 GB).
-    for layer in getattr(model, "layers", []):
-        mx.eval(layer.parameters())
     mx.eval(model.parameters())
     mx.random.seed(seed + 1)
     apply_lora(model, rank=8, scale=20.0, dropout=0.0)
