@@ -4,12 +4,9 @@
 # cut, a host powered off, head restarts; then the fleet on this machine,
 # tests/test_fleet_e2e.py and tests/test_asha_fleet.py, whose trials wait on Ray)
 # and everything else, which is CPU-bound and runs at a lower CPU priority so that
-# the lab's own timeouts hold. The rest runs in two pytest workers (pytest-xdist),
-# a module to a worker, so that a module still shares its one Ray cluster: one
-# worker left a core idle half the time, its tests waiting on engine processes.
-# On two cores the lanes take ~14 and ~17 minutes side by side, against ~19 and
-# ~17 with one worker. The side lane's output is printed after the rest's; the
-# exit status is the first failure's.
+# the lab's own timeouts hold. On two cores this takes the side lane's ~14
+# minutes off the wall time. The side lane's output is printed after the rest's;
+# the exit status is the first failure's.
 #   tests/run.sh PYTHON [pytest args for the rest]
 set -u
 py=$1
@@ -19,7 +16,7 @@ trap 'rm -rf "$tmp"' EXIT
 side="tests/lab tests/test_fleet_e2e.py tests/test_asha_fleet.py"
 "$py" -m pytest -q $side --basetemp="$tmp/lab" > "$tmp/lab.log" 2>&1 &
 lab=$!
-nice -n 10 "$py" -m pytest -q -n 2 --dist loadfile $(printf -- "--ignore=%s " $side) "$@"
+nice -n 10 "$py" -m pytest -q $(printf -- "--ignore=%s " $side) "$@"
 rest=$?
 wait "$lab"
 labrc=$?
