@@ -149,15 +149,15 @@ def gemma3_config(layers: int, dim: int, vocab: int) -> dict:
 
 
 def run(args) -> dict:
-    built = time.perf_counter()
+    t0 = time.perf_counter()
     model = bench_model(args.arch, args.layers, args.dim, args.vocab, args.dtype,
                         intermediate=args.intermediate, heads=args.heads,
                         kv_heads=args.kv_heads, head_dim=args.head_dim, tie=args.tie,
                         rope_theta=args.rope_theta, quantize=args.quantize,
                         kv_shared=args.kv_shared, layer_input=args.layer_input,
                         double_mlp=args.double_mlp)
-    built = time.perf_counter() - built
-    print(f"model built in {built:.1f}s", file=sys.stderr, flush=True)
+    build_s = time.perf_counter() - t0
+    print(f"model built in {build_s:.1f}s", file=sys.stderr, flush=True)
     margs = getattr(model, "args", None)
     mx.random.seed(123)
     ids = mx.random.randint(0, args.vocab, (args.seq,)).tolist()
@@ -244,7 +244,7 @@ def run(args) -> dict:
                              ("double_mlp", args.double_mlp)) if v is not None},
         # what the planner's ModelInfo.weight_bytes is (the LoRA layers' few bytes too)
         "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
-        "build_s": round(built, 1),  # making the random model (a first process: its kernels)
+        "build_s": round(build_s, 1),  # making the random model (a first process: its kernels too)
         "vocab": args.vocab, "seq": args.seq, "dtype": args.dtype,
         "segment_size": args.segment_size if args.mode == "segmented" else None,
         "head_chunk": args.head_chunk if args.impl == "segctl" else None,
