@@ -488,7 +488,10 @@ class Stores:
                 return
         except FileNotFoundError:
             pass
-        private_file(path, data)
+        # Written aside under .staging/, as a zarr node is built: a writer killed
+        # midway leaves its temporary where the next writer clears it
+        # (_clear_temp), not a hidden file beside the table's that none would.
+        private_file(path, data, tmp=self._temp("parquet"))
 
     def _put_memory(self, sweep, trial, attempt, peaks, labels, steps, *, node, segment_size):
         target = self.root / sr.memory_array(sweep, trial, attempt)

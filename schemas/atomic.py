@@ -21,7 +21,7 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 
 def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, str, None] = None, *,
                  write: Optional[Callable[[Path], None]] = None, mode: int = 0o644,
-                 replace: bool = True) -> Path:
+                 replace: bool = True, tmp: Union[str, os.PathLike, None] = None) -> Path:
     """Replace `path` with `data` (bytes, or text as UTF-8), or with what
     `write(tmp)` writes to the temporary path it is given (for writers that take
     a file name, e.g. mx.save_safetensors; the temporary name keeps the target's
@@ -29,12 +29,15 @@ def write_atomic(path: Union[str, os.PathLike], data: Union[bytes, str, None] = 
     umask, and is owner-only until then (a 0600 secret is never readable by
     others, not even half-written). replace=False never clobbers: the file is
     linked in only where there is none, else FileExistsError (nothing written).
-    Returns `path`."""
+    `tmp`: where to write aside (on the target's filesystem; it must not exist),
+    for a writer whose temporaries live in a folder of their own that it clears
+    after a crash; by default a hidden name beside the target. Returns `path`."""
     path = Path(path)
     if (data is None) == (write is None):
         raise TypeError("write_atomic takes data or write=, exactly one")
     # unique per call: two threads (or a pid reused after a crash) never share one
-    tmp = path.with_name(f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+    tmp = Path(tmp) if tmp is not None else \
+        path.with_name(f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
     try:
         with open(os.open(tmp, _CREATE, 0o600), "wb") as f:
             if data is not None:

@@ -36,12 +36,12 @@ def private_dir(path) -> Path:
     return path
 
 
-def private_file(path, data: bytes | None = None) -> Path:
+def private_file(path, data: bytes | None = None, *, tmp=None) -> Path:
     """File `path` readable and writable by its owner only (0600) whatever the
     umask: made empty if missing, or replaced atomically by one holding `data`
-    if given (schemas.atomic.write_atomic). One already there must be a file of
-    this user, not a link (refused before anything is written). Its folder must
-    exist."""
+    if given (schemas.atomic.write_atomic, written aside at `tmp` if given). One
+    already there must be a file of this user, not a link (refused before
+    anything is written). Its folder must exist."""
     path = Path(path)
     if data is not None:
         try:
@@ -50,7 +50,7 @@ def private_file(path, data: bytes | None = None) -> Path:
             pass
         else:
             _own_file(path, st)
-        return write_atomic(path, data, mode=0o600)
+        return write_atomic(path, data, mode=0o600, tmp=tmp)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         _own_file(path, os.fstat(fd))

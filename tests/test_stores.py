@@ -207,10 +207,13 @@ import sys
 from pathlib import Path
 from segctl.orchestrator.stores import Stores
 
-# Say where the seal is, on stdout, as it goes: the test kills it at one of these lines.
+# Say where the seal is, on stdout, as it goes: the test kills it at one of these
+# lines (argv[2]), where it waits for the kill.
 put_parquet, put_dir = Stores._put_parquet, Stores._put_dir
 def say(line):
     print(line, flush=True)
+    if line == sys.argv[2]:
+        sys.stdin.readline()   # the test never writes again: the kill lands here
 def parquet(self, table, path):
     say(f"building {path.parent.parent.name}")    # telemetry/<table>/sweep=.../attempt-N.parquet
     put_parquet(self, table, path)
@@ -220,6 +223,14 @@ def node(self, target, write):
     put_dir(self, target, write)
     say("placed memory")
 Stores._put_parquet, Stores._put_dir = parquet, node
+import segctl.schemas.private as private
+write_atomic = private.write_atomic
+def aside(path, data=None, **kw):   # a file's bytes written aside, not yet renamed in
+    def write(tmp):
+        Path(tmp).write_bytes(data)
+        say(f"aside {Path(path).parent.parent.name}")
+    return write_atomic(path, write=write, **kw)
+private.write_atomic = aside
 
 st = Stores(Path(sys.argv[1]))
 st.ingest("sw-1", "sw-1-t000", 1, [])      # set up, the attempt known: no lock needed till the end
@@ -237,11 +248,12 @@ def test_a_crash_during_seal_leaves_nothing_half_written(tmp_path):
     events = run_events(1, 20_000, evals=(10_000,))
     st.ingest("sw-1", "sw-1-t000", 1, events)
     # Killed as it starts the first file, with two files in place and the third
-    # being built, and as the memory array is built. The test holds staging.db's
-    # write lock meanwhile, so the seal cannot commit before its kill comes: each
-    # kill lands in the middle, whatever the machine's speed.
-    for at in ("building steps", "placed evals", "building memory"):
-        proc = subprocess.Popen([sys.executable, "-c", SEAL_SCRIPT, str(root)], env=cli_env(),
+    # being built, with the third's bytes written aside but not yet renamed in,
+    # and as the memory array is built. The child waits for its kill there, and
+    # the test holds staging.db's write lock meanwhile, so the seal cannot commit
+    # before it: each kill lands in the middle, whatever the machine's speed.
+    for at in ("building steps", "placed evals", "aside attempts", "building memory"):
+        proc = subprocess.Popen([sys.executable, "-c", SEAL_SCRIPT, str(root), at], env=cli_env(),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         lock = sqlite3.connect(root / sr.STAGING_DB, isolation_level=None)
         try:
