@@ -10,25 +10,51 @@
 # ~7 and ~16 minutes side by side, where the fleet's tests in the lab's lane made
 # that lane ~19 minutes, its last ~3 on a core mostly idle. Each side lane's
 # output is printed after the rest's; the exit status is the first failure's.
+#
+# Ctrl-C (or SIGTERM) stops all three through their teardown (the lab's hosts
+# taken down, every Ray cluster stopped), each given one SIGINT: the three run
+# in sessions of their own so that a terminal's Ctrl-C reaches them only through
+# this script, never twice (a second one would cut a teardown short). Bash starts
+# a background command with SIGINT ignored, and Python turns SIGINT into
+# KeyboardInterrupt only where it was not ignored, so each starts with it back
+# at its default.
 #   tests/run.sh PYTHON [pytest args for the rest]
 set -u
 py=$1
 shift
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+default_int='import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])'
 lanes=("tests/lab" "tests/test_fleet_e2e.py tests/test_asha_fleet.py")
 pids=()
 for i in "${!lanes[@]}"; do
-  # pytest's 5 is "no tests collected": a lane with nothing to run is not a failure
-  ( "$py" -m pytest -q ${lanes[$i]} --basetemp="$tmp/lane$i"; rc=$?; [ $rc -eq 5 ] && rc=0; exit $rc ) \
+  setsid "$py" -c "$default_int" -m pytest -q ${lanes[$i]} --basetemp="$tmp/lane$i" \
     > "$tmp/lane$i.log" 2>&1 &
   pids+=($!)
 done
-nice -n 10 "$py" -m pytest -q -n 2 --dist loadfile $(printf -- "--ignore=%s " ${lanes[*]}) "$@"
+setsid nice -n 10 "$py" -c "$default_int" -m pytest -q -n 2 --dist loadfile \
+  $(printf -- "--ignore=%s " ${lanes[*]}) "$@" &
+rest=$!
+trap 'kill -INT "$rest" "${pids[@]}" 2> /dev/null' INT TERM
+
+# A trap cuts a `wait` short: wait again until the process is gone.
+finish() {
+  local rc
+  while :; do
+    wait "$1"
+    rc=$?
+    kill -0 "$1" 2> /dev/null || return "$rc"
+  done
+}
+finish "$rest"
 status=$?
 for i in "${!lanes[@]}"; do
-  wait "${pids[$i]}"
+  finish "${pids[$i]}"
   rc=$?
+  # pytest's 5 is "no tests collected": a lane with nothing to run is not a failure
+  [ "$rc" -eq 5 ] && rc=0
   echo "====== ${lanes[$i]} (ran alongside the above) ======"
   cat "$tmp/lane$i.log"
   [ "$status" -eq 0 ] && status=$rc
