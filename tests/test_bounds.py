@@ -36,10 +36,14 @@ def unknown_keys(tmp_path: Path, n: int) -> Path:
 
 
 def seconds_to_refuse(path: Path) -> tuple[float, list[str]]:
-    tic = time.perf_counter()
+    """The validator's CPU seconds (this process's), not the wall clock's: on a
+    machine whose cores the other lanes of the suite keep busy, a niced worker's
+    wall time is mostly waiting for a core (4,000 keys in 0.06 s, 40,000 in 5.0 s
+    of wall time once)."""
+    tic = time.process_time()
     with pytest.raises(SpecError) as e:
         load_job(path)
-    return time.perf_counter() - tic, e.value.problems
+    return time.process_time() - tic, e.value.problems
 
 
 def test_forty_thousand_unknown_keys_validate_in_seconds(tmp_path):
