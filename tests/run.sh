@@ -12,32 +12,42 @@
 # output is printed after the rest's; the exit status is the first failure's.
 #
 # Ctrl-C (or SIGTERM) stops all three through their teardown (the lab's hosts
-# taken down, every Ray cluster stopped), each given one SIGINT: the three run
-# in sessions of their own so that a terminal's Ctrl-C reaches them only through
-# this script, never twice (a second one would cut a teardown short). Bash starts
-# a background command with SIGINT ignored, and Python turns SIGINT into
-# KeyboardInterrupt only where it was not ignored, so each starts with it back
-# at its default.
+# taken down, every Ray cluster stopped), each given one SIGINT. They start under
+# job control (`set -m`): each in a process group of its own, so a terminal's
+# Ctrl-C reaches them only through this script, never twice (a second one would
+# cut a teardown short), and with SIGINT at its default, where a background
+# command otherwise starts with it ignored (and Python then never raises
+# KeyboardInterrupt). A Ctrl-C while they start is held until all three run.
 #   tests/run.sh PYTHON [pytest args for the rest]
 set -u
 py=$1
 shift
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-default_int='import os, signal, sys
-signal.signal(signal.SIGINT, signal.SIG_DFL)
-os.execv(sys.executable, [sys.executable] + sys.argv[1:])'
 lanes=("tests/lab" "tests/test_fleet_e2e.py tests/test_asha_fleet.py")
 pids=()
+rest=
+launched= stopping= sent=
+stop() {
+  stopping=1
+  if [ -n "$launched" ] && [ -z "$sent" ]; then
+    sent=1
+    kill -INT "$rest" "${pids[@]}" 2> /dev/null
+  fi
+}
+trap stop INT TERM
+set -m
 for i in "${!lanes[@]}"; do
-  setsid "$py" -c "$default_int" -m pytest -q ${lanes[$i]} --basetemp="$tmp/lane$i" \
+  "$py" -m pytest -q ${lanes[$i]} --basetemp="$tmp/lane$i" \
     > "$tmp/lane$i.log" 2>&1 &
   pids+=($!)
 done
-setsid nice -n 10 "$py" -c "$default_int" -m pytest -q -n 2 --dist loadfile \
+nice -n 10 "$py" -m pytest -q -n 2 --dist loadfile \
   $(printf -- "--ignore=%s " ${lanes[*]}) "$@" &
 rest=$!
-trap 'kill -INT "$rest" "${pids[@]}" 2> /dev/null' INT TERM
+set +m
+launched=1
+[ -n "$stopping" ] && stop
 
 # A trap cuts a `wait` short: wait again until the process is gone.
 finish() {
