@@ -146,11 +146,11 @@ def mix_stats(rows) -> dict:
 # ---------------------------------------------------------------- configurations
 
 def parse_config(name: str) -> dict:
-    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|auto:sS` -> its dict;
-    ValueError with the reason otherwise."""
+    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|auto:sS[:fused]` -> its
+    dict; ValueError with the reason otherwise."""
     parts = name.split(":")
     bad = ValueError(f"bad configuration {name!r} (mlx-lm:bB[:ckpt] or "
-                     "segctl:bB:packed|unpacked|side|auto:sS, e.g. segctl:b4:packed:s0)")
+                     "segctl:bB:packed|unpacked|side|auto:sS[:fused], e.g. segctl:b4:packed:s0)")
     if len(parts) < 2 or not parts[1].startswith("b") or not parts[1][1:].isdigit() \
             or int(parts[1][1:]) < 1:
         raise bad
@@ -159,11 +159,12 @@ def parse_config(name: str) -> dict:
         if len(parts) == 3 and parts[2] != "ckpt":
             raise bad
         return dict(name=name, impl="mlx-lm", batch=batch, grad_checkpoint=len(parts) == 3)
-    if parts[0] == "segctl" and len(parts) == 4 and parts[2] in ("packed", "unpacked", "side",
-                                                                 "auto") \
-            and parts[3].startswith("s") and parts[3][1:].isdigit():
+    if parts[0] == "segctl" and len(parts) in (4, 5) and parts[2] in ("packed", "unpacked",
+                                                                      "side", "auto") \
+            and parts[3].startswith("s") and parts[3][1:].isdigit() \
+            and parts[4:] in ([], ["fused"]):
         return dict(name=name, impl="segctl", batch=batch, pack=parts[2],
-                    segment_size=int(parts[3][1:]))
+                    segment_size=int(parts[3][1:]), fused=len(parts) == 5)
     raise bad
 
 
@@ -326,6 +327,8 @@ def _segctl(model, optimizer, rows, cfg, args):
         pack = why is None and not side
     else:
         pack = cfg["pack"] == "packed"
+    # `:fused` asks for compiled segments; auto does what a job does (on a GPU, fused)
+    fused = cfg["fused"] or (cfg["pack"] == "auto" and on_gpu() and cfg["segment_size"] > 0)
     state = [model.state, optimizer.state]
     seen = dict(sequences=[], tokens=0, padded=0)
 
@@ -337,7 +340,8 @@ def _segctl(model, optimizer, rows, cfg, args):
                                      memory=StepMemory(segment_size=cfg["segment_size"],
                                                        head_chunk=DEFAULT_HEAD_CHUNK,
                                                        attn_block=DEFAULT_ATTN_BLOCK,
-                                                       mlp_chunk=DEFAULT_MLP_CHUNK),
+                                                       mlp_chunk=DEFAULT_MLP_CHUNK,
+                                                       fused=fused),
                                      pack=pack, side=side, pack_length=args.pack_length, micro=0,
                                      parts=parts, metrics=metrics)
         apply_grads(model, optimizer, grads, GRAD_CLIP)
@@ -353,7 +357,7 @@ def _segctl(model, optimizer, rows, cfg, args):
 
     def extra():
         seqs = seen["sequences"]
-        return dict(packed=pack, side=side, pack=cfg["pack"], pack_refusal=why,
+        return dict(packed=pack, side=side, pack=cfg["pack"], pack_refusal=why, fused=fused,
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
                     sequences_per_step=round(statistics.mean(seqs), 3) if None not in seqs else None,
@@ -412,7 +416,8 @@ def _label(row: dict) -> str:
     else:
         how = pack or ("packed" if row.get("packed") else "unpacked")
     seg = row.get("segment_size")
-    return f"segctl batch {row['batch']}, {how}, " + ("plain" if not seg else f"segment {seg}")
+    return f"segctl batch {row['batch']}, {how}, " + ("plain" if not seg else f"segment {seg}") \
+        + (", fused" if row.get("fused") else "")
 
 
 def _shape(row: dict) -> str:

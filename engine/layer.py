@@ -136,7 +136,7 @@ def same_cut(whole: mx.array, cut: mx.array) -> bool:
     return bool(float(mx.max(mx.abs(a - b))) <= 1e-2 * scale)
 
 
-def _dropout_off(module: nn.Module) -> bool:
+def dropout_off(module: nn.Module) -> bool:
     return all(getattr(m, "_p_1", 1.0) == 1.0 for m in module.modules()
                if isinstance(m, nn.Dropout))
 
@@ -182,7 +182,7 @@ def eager(layers, tokenwise: list[list[str]], chunk: int):
 def _chunked(module, chunk):
     def run(x):
         n = x.shape[1]
-        if n <= chunk or not _dropout_off(module):
+        if n <= chunk or not dropout_off(module):
             return module(x)
         mx.eval(x)
         outs = []
@@ -271,7 +271,7 @@ def _heavy(layer, names, block, chunk, run: _Pass):
 
     def tokenwise(child):
         def call(x):
-            if not chunk or x.shape[1] <= chunk or not _dropout_off(child):
+            if not chunk or x.shape[1] <= chunk or not dropout_off(child):
                 return child(x)
             pnames = [n for n, _ in tree_flatten(child.trainable_parameters())]
             params = [v for _, v in tree_flatten(child.trainable_parameters())]

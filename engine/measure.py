@@ -25,7 +25,7 @@ from .data import Example, PreferenceExample
 from .model import apply_lora, load_model, model_parts
 from .optim import make_optimizer
 from .settings import StepMemory
-from .step import pack_refusal
+from .step import on_gpu, pack_refusal
 from .train import OOMError, measured_step
 
 
@@ -64,7 +64,8 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
                                                     head_chunk=spec.head_chunk,
                                                     attn_block=spec.attn_block,
                                                     mlp_chunk=spec.mlp_chunk,
-                                                    grad_checkpoint=False),
+                                                    grad_checkpoint=False,
+                                                    fused=on_gpu()),  # as a job runs
                                   grad_clip=1.0, method=method, pack=pack)
             except OOMError as e:
                 fits, message = False, str(e)

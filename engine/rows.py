@@ -41,7 +41,7 @@ from mlx.utils import tree_flatten
 from segctl.schemas.limits import error_line
 
 from . import attention
-from .layer import PROBE_ROWS, _dropout_off, same_cut, set_params, spans
+from .layer import PROBE_ROWS, dropout_off, same_cut, set_params, spans
 
 
 class RunRope(nn.Module):
@@ -223,7 +223,7 @@ def usable(layer, mask) -> bool:
     """Whether a layer that passed `rowwise` may be cut now: its LoRA dropout is off
     (a chunk would draw other masks than the whole row does) and its mask is not an
     array (a layer may slice one to its rows)."""
-    return (mask is None or isinstance(mask, (str, attention.BlockMask))) and _dropout_off(layer)
+    return (mask is None or isinstance(mask, (str, attention.BlockMask))) and dropout_off(layer)
 
 
 def rowwise(layer, call, dim: int, dtype, masks=("causal",)) -> bool:

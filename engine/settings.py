@@ -17,10 +17,14 @@ class StepMemory:
     sublayers this many rows at a time (engine/layer.py). offload (segmented
     only): the folder the boundaries wait in between the forward and the
     backward (engine/offload.py), None to keep them in memory. grad_checkpoint
-    (plain only): every layer recomputed under mx.checkpoint, as mlx-lm does."""
+    (plain only): every layer recomputed under mx.checkpoint, as mlx-lm does.
+    fused (segmented only): a segment's forward, its backward and the head's
+    chunks run as `mx.compile`d functions where that is exact (engine/step.py,
+    `_fusable`), as mlx-lm compiles its step."""
     segment_size: int
     head_chunk: int = DEFAULT_HEAD_CHUNK
     attn_block: int = 0
     mlp_chunk: int = 0
     offload: str | None = None
     grad_checkpoint: bool = False
+    fused: bool = False

@@ -106,6 +106,16 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     best = restore_best(out, ckpt, best)
     seg = job.memory.segment_size
     mode = "segmented" if seg else ("grad_checkpoint" if job.memory.grad_checkpoint else "plain")
+    # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
+    # (auto reaches a node already decided: the head writes disk or none into the job)
+    scratch = str(out / "scratch") if job.memory.offload != "none" and seg else None
+    # On a GPU the segments run compiled where that is exact (step._fusable): one
+    # kernel where a segment's elementwise work took many, as mlx-lm compiles its
+    # step (bench/README). A CPU gains less and compiles each new shape slowly.
+    memory = StepMemory(segment_size=seg, head_chunk=job.memory.head_chunk,
+                        attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
+                        offload=scratch, grad_checkpoint=job.memory.grad_checkpoint,
+                        fused=bool(seg) and step_module.on_gpu())
     n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     emit(ev.Start(time=clock(), job=job.name, mode=mode, segment_size=seg, total_steps=total,
                   resumed_from=start_step if ckpt is not None else None,
@@ -114,17 +124,11 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   skipped=train_set.skipped + (valid_set.skipped if valid_set else 0),
                   trainable_params=n_trainable, batch_size=job.train.batch_size,
                   grad_accumulation=job.train.grad_accumulation, packed=pack,
-                  pack_reason=pack_reason, side_by_side=side,
+                  pack_reason=pack_reason, side_by_side=side, fused=memory.fused,
                   rank=ring.rank if ring else None, ranks=ring.size if ring else 1,
                   whole_rows=parts.whole_rows or None))
 
     budget = job.memory.budget_gb
-    # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
-    # (auto reaches a node already decided: the head writes disk or none into the job)
-    scratch = str(out / "scratch") if job.memory.offload != "none" and seg else None
-    memory = StepMemory(segment_size=seg, head_chunk=job.memory.head_chunk,
-                        attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
-                        offload=scratch, grad_checkpoint=job.memory.grad_checkpoint)
     method = method_options(job)
     t_run = time.perf_counter()
     loss = val = stop = None

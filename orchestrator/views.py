@@ -384,7 +384,8 @@ def engine_line(e: dict) -> str:
         return f"{when}   eval at step {e['step']}: val loss {e['val_loss']:.4f}"
     if kind == "start":
         return (f"{when}   start: {e['train_rows']} rows, {e['mode']} segment_size "
-                f"{e['segment_size']}, {e['total_steps']} steps"
+                f"{e['segment_size']}" + (" (fused)" if e.get("fused") else "")
+                + f", {e['total_steps']} steps"
                 + (f", resumed at step {e['resumed_from']}" if e.get("resumed_from") else "")
                 + "".join(f"\n{when}   {cls} runs whole rows (more memory on long rows): {why}"
                           for cls, why in (e.get("whole_rows") or {}).items()))

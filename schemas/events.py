@@ -34,6 +34,7 @@ class Start(Event):
     packed: bool = False           # whether a micro-batch's rows run packed into sequences
     pack_reason: Optional[str] = None  # data.pack auto: why the rows run unpacked here
     side_by_side: bool = False     # whether rows not packed run side by side, padded
+    fused: bool = False            # segments run compiled where exact (a GPU's segmented step)
     rank: Optional[int] = None     # a job on several nodes (distributed.nodes): this process's
     ranks: int = 1                 # place in the ring, and how many there are
     # layer classes that the row-wise probe kept whole (engine/rows.py), with why:

@@ -1,0 +1,148 @@
+"""Fused segments (engine/step.py, `_fusable`): a segment's forward, its backward
+and the head's chunks run as `mx.compile`d functions where that is exact. Each
+check runs the same steps fused and unfused from the same weights, the weights
+updated between steps (a compiled function that kept the weights it was traced
+with would show there), and the layouts a compiled function cannot follow run
+unfused."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from segctl.engine import Example, PreferenceExample, loss_and_grads
+from segctl.engine.model import load_model, model_parts
+from segctl.engine.settings import StepMemory
+from tests.conftest import random_lora
+from tests.test_step import lora_model, worst_rel_error
+
+TOL = 1e-5
+SHAPES = [(23, 5), (9, 0), (31, 30), (14, 3), (40, 12)]
+
+
+def rows_of(vocab, shapes, seed=0):
+    return [Example(mx.random.randint(1, vocab, (n,), key=mx.random.key(seed + k)).tolist(), p)
+            for k, (n, p) in enumerate(shapes)]
+
+
+def three_steps(model, batch, fused: bool, **kw):
+    """[(loss, grads)] of three steps from the model's weights, each followed by a
+    plain gradient update; the weights are put back at the end. Returns them and
+    the compiled functions the steps kept (parts.fused)."""
+    start = [(n, mx.array(v)) for n, v in tree_flatten(model.trainable_parameters())]
+    parts = model_parts(model, check=False)
+    memory = StepMemory(segment_size=kw.pop("seg", 2), fused=fused)
+    out = []
+    for _ in range(3):
+        loss, grads = loss_and_grads(model, batch, parts=parts, memory=memory, **kw)
+        mx.eval(loss, grads)
+        out.append((loss.item(), grads))
+        model.update(tree_unflatten([(n, v - 0.5 * grads[n])
+                                     for n, v in tree_flatten(model.trainable_parameters())]))
+    model.update(tree_unflatten(start))
+    return out, parts.fused
+
+
+def assert_same(a, b):
+    for (la, ga), (lb, gb) in zip(a, b):
+        assert abs(la - lb) <= TOL * abs(la)
+        assert worst_rel_error(gb, ga) <= TOL
+
+
+@pytest.mark.parametrize("seg", [1, 2])
+def test_fused_steps_are_the_unfused_steps_as_the_weights_change(tiny_models, seg):
+    model = lora_model(tiny_models["qwen3"])
+    batch = rows_of(model.args.vocab_size, SHAPES)
+    for kw in (dict(side=True, pack_length=400, align=16), dict()):   # side by side; rows alone
+        want, _ = three_steps(model, batch, False, seg=seg, **kw)
+        got, compiled = three_steps(model, batch, True, seg=seg, **kw)
+        assert_same(want, got)
+        segments = -(-len(model.layers) // seg)
+        # one forward and one backward per segment, and the head: compiled once,
+        # traced again by MLX for each new shape
+        assert sorted(k[0] for k in compiled) == ["bwd"] * segments + ["fwd"] * segments + ["head"]
+    # the steps moved the weights: the third step's loss is not the first's
+    assert abs(got[2][0] - got[0][0]) > 1e-3
+
+
+def test_a_preference_step_in_two_branches_fuses_too(tiny_models):
+    model = lora_model(tiny_models["qwen3"])
+    V = model.args.vocab_size
+
+    def toks(n, seed):
+        return mx.random.randint(1, V, (n,), key=mx.random.key(seed)).tolist()
+
+    batch = [PreferenceExample(toks(7, 1), toks(5, 2), toks(6, 3)),
+             PreferenceExample(toks(12, 4), toks(3, 5), toks(8, 6))]
+    for method in ("orpo", "dpo"):
+        kw = dict(method=method, prefix_shared=False)
+        want, _ = three_steps(model, batch, False, **kw)
+        got, compiled = three_steps(model, batch, True, **kw)
+        assert_same(want, got)
+        assert compiled, method
+
+
+def test_layouts_a_compiled_function_cannot_follow_run_unfused(tiny_models):
+    """Packed and prefix-shared streams (their masks and RoPE runs follow the rows'
+    lengths), sliding windows cut into blocks, attention blocked by rows, LoRA
+    dropout (its masks come from the random state) and Gemma-4's donor K/V run as
+    before: nothing is compiled, and the step is still the unfused one."""
+    qwen = lora_model(tiny_models["qwen3"])
+    batch = rows_of(qwen.args.vocab_size, SHAPES)
+    V = qwen.args.vocab_size
+    pref = [PreferenceExample([3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13])]
+    llama = lora_model(tiny_models["llama"])   # layers with a window of 8
+    gemma = lora_model(tiny_models["gemma4_text"])
+    mx.random.seed(0)
+    dropped = random_lora(load_model(tiny_models["qwen3"])[0], dropout=0.1)
+    cases = {
+        "packed": (qwen, batch, dict(pack=True, pack_length=400)),
+        "prefix-shared": (qwen, pref, dict(method="orpo", prefix_shared=True)),
+        "windows": (llama, rows_of(V, [(30, 4)]), {}),
+        "attention blocks": (qwen, rows_of(V, [(30, 4)]), dict(block=8)),
+        "donor K/V": (gemma, rows_of(gemma.args.vocab_size, [(20, 4)]), {}),
+        "dropout": (dropped, rows_of(V, [(20, 4)]), {}),
+    }
+    for name, (model, rows, kw) in cases.items():
+        parts = model_parts(model, check=False)
+        block = kw.pop("block", 0)
+        mx.random.seed(1)
+        loss, grads = loss_and_grads(model, rows, parts=parts, **kw,
+                                     memory=StepMemory(segment_size=2, attn_block=block,
+                                                       fused=True))
+        mx.eval(loss, grads)
+        assert parts.fused == {}, name
+        unfused = model_parts(model, check=False)
+        mx.random.seed(1)
+        loss0, ref = loss_and_grads(model, rows, parts=unfused, **kw,
+                                    memory=StepMemory(segment_size=2, attn_block=block))
+        assert loss.item() == loss0.item() and worst_rel_error(grads, ref) == 0.0, name
+
+
+def test_a_job_fuses_its_segments_on_a_gpu_and_says_so(demo_dir, tmp_path, monkeypatch):
+    """What a job runs: fused where the step is segmented on a GPU (the probe that
+    says so substituted here), and the start event says it; a CPU, or plain
+    autodiff, runs unfused."""
+    import json
+
+    from segctl.engine import step, train
+    from segctl.schemas.job import load_job
+    job = load_job(demo_dir / "job.yaml")
+
+    runs = iter(range(3))
+
+    def start_of(seg):
+        j = job.model_copy(update={
+            "output": str(tmp_path / f"out{next(runs)}"),
+            "train": job.train.model_copy(update={"iters": 1, "batch_size": 2, "eval_every": 0}),
+            "memory": job.memory.model_copy(update={"segment_size": seg})})
+        events = []
+        train.run(j, emit=lambda e: events.append(json.loads(e.model_dump_json())))
+        return events[0]
+
+    assert start_of(2)["fused"] is False
+    monkeypatch.setattr(step, "on_gpu", lambda: True)
+    first = start_of(2)
+    assert first["event"] == "start" and first["fused"] is True and first["side_by_side"] is True
+    assert start_of(0)["fused"] is False
