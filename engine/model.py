@@ -68,7 +68,7 @@ class ModelParts:
     whole_rows: dict[str, str] = field(default_factory=dict)
     pack_verdict: tuple | None = None           # (why rows cannot be packed, or None): step.pack_refusal
     side_verdict: tuple | None = None           # (why rows cannot run side by side, or None): step.side_refusal
-    fused: dict = field(default_factory=dict)   # step._fused: compiled functions by what they run
+    fused: dict = field(default_factory=dict)   # engine/fused.py: compiled functions by what they run
 
 
 def load_model(path: str | Path):

@@ -20,7 +20,7 @@ class StepMemory:
     (plain only): every layer recomputed under mx.checkpoint, as mlx-lm does.
     fused (segmented only): a segment's forward, its backward and the head's
     chunks run as `mx.compile`d functions where that is exact (engine/step.py,
-    `_fusable`), as mlx-lm compiles its step."""
+    `fused.fusable`), as mlx-lm compiles its step."""
     segment_size: int
     head_chunk: int = DEFAULT_HEAD_CHUNK
     attn_block: int = 0

@@ -43,10 +43,11 @@ from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
-from . import attention, rows
+from . import attention, head, rows
+from . import fused as fusing
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .data import PreferenceExample
-from .layer import dropout_off, eager, layer_vjp
+from .layer import eager, layer_vjp
 from .model import ModelParts, model_parts
 from .offload import Boundaries
 from .plans import RowPlan, StepError, Stream, has_rope, make_plan, make_plans, packed_stream, side_stream, step_report
@@ -171,7 +172,7 @@ def _nograd_sums(parts, streams, head_chunk, attn_block=0, mlp_chunk=0) -> mx.ar
                     h, produced = _run(parts, i, i + 1, h, masks, extras, kv, None, chunk)
                 kv.update(produced)
                 mx.eval(h, produced)  # one layer's activations at a time
-        logp = _head_logp(parts, h, stream, head_chunk)
+        logp = head.logp(parts, h, stream, head_chunk)
         sums = sums + stream.member.T @ logp
     return sums
 
@@ -377,6 +378,11 @@ def _run(parts, lo, hi, h, masks, extras, kv_in, seed, chunk: int = 0):
     return h, produced
 
 
+def _layers_fn(parts, lo, hi, masks):
+    """Layers [lo, hi) on h alone: what a fused segment runs (engine/fused.py)."""
+    return lambda h: _run(parts, lo, hi, h, masks, [None] * len(masks), {}, None)[0]
+
+
 def _by_rows(parts, i, mask, h, chunk) -> bool:
     """Whether layer i runs rows apart here: it passed the check at load, no later
     layer reads its K/V, and the row is longer than a chunk."""
@@ -468,7 +474,7 @@ class _Forward:
     extras: list
     kv: dict            # donor K/V that later segments read
     boundaries: Boundaries  # each segment's input, in memory or on disk
-    fused: bool = False     # its segments and head run compiled (_fusable)
+    fused: bool = False     # its segments and head run compiled (fused.fusable)
 
 
 def _segmented(model, parts, plan, memory, on_phase, offload_s):
@@ -495,7 +501,7 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
                 top = _forward(parts, stream, segments, base_seed, phase, tag,
                                attn_block if 0 < attn_block < stream.length else 0,
                                _pieces(mlp_chunk, stream), fwd, memory.fused)
-            logp, g = _head_pass(parts, top, stream, head_chunk, fwd.fused)
+            logp, g = head.logp_and_grads(parts, top, stream, head_chunk, fwd.fused)
             del top
             phase(f"{tag}head")
             forwards.append(fwd)
@@ -536,12 +542,13 @@ def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forwa
     # segment's activations die with it.
     h, fwd.masks, fwd.extras = _embed(parts, stream, rows)
     masks, extras = fwd.masks, fwd.extras
-    fwd.fused = fused and _fusable(parts, stream, masks, extras, rows, chunk)
+    fwd.fused = fused and fusing.fusable(parts, stream, masks, extras, rows, chunk)
     mx.eval(h, extras)
     for k, (lo, hi) in enumerate(segments):
         h_in = h
         if fwd.fused:
-            h, produced = _fused_forward(parts, masks, lo, hi, h_in), {}
+            h, produced = fusing.forward(parts, tuple(masks[lo:hi]), lo, hi,
+                                         _layers_fn(parts, lo, hi, masks), h_in), {}
         else:
             with eager(parts.layers, parts.tokenwise or [], chunk):
                 h, produced = _run(parts, lo, hi, h_in, masks, extras, fwd.kv, seed, chunk)
@@ -564,56 +571,6 @@ def _exports(parts, lo, hi) -> list[int]:
 def _imports(parts, lo, hi) -> list[int]:
     """Donors before lo read by a layer in [lo, hi)."""
     return sorted({d for d in parts.donors[lo:hi] if d is not None and d < lo})
-
-
-def _head_pass(parts, h, stream: Stream, chunk: int, fused: bool = False):
-    """(log p [M], d log p / dh [M, D]) of the stream's read rows, `chunk` rows at a
-    time: each chunk's norm -> lm_head -> log-softmax -> target log p runs under its
-    own vjp and is evaluated before the next starts, so [chunk, V] logits (and their
-    cotangent) exist for one chunk at a time. One graph over all chunks is not
-    enough: a GPU queue allocates every chunk's logits before the first is freed.
-    `fused`: each chunk's vjp runs compiled."""
-    rows, targets = stream.rows, mx.array(stream.targets, dtype=mx.int32)
-    h = h.reshape(-1, h.shape[-1])   # side by side, rows index the sequences one after another
-    logps, gs = [], []
-    for i in range(0, len(rows), chunk):
-        if stream.contiguous:
-            hc = h[rows[0] + i:rows[0] + i + chunk]
-        else:
-            hc = h[mx.array(rows[i:i + chunk])]
-        if fused:
-            lp, g = _fused(parts, ("head",), lambda: partial(_head_vjp, parts))(
-                hc, targets[i:i + chunk])
-        else:
-            lp, g = _head_vjp(parts, hc, targets[i:i + chunk])
-        mx.eval(lp, g)
-        logps.append(lp)
-        gs.append(g)
-    return mx.concatenate(logps), mx.concatenate(gs)
-
-
-def _head_logp(parts, h, stream: Stream, chunk: int) -> mx.array:
-    rows, targets = mx.array(stream.rows), mx.array(stream.targets, dtype=mx.int32)
-    h = h.reshape(-1, h.shape[-1])   # side by side, rows index the sequences one after another
-    out = []
-    for i in range(0, len(stream.rows), chunk):
-        out.append(_chunk_logp(parts, targets[i:i + chunk])(h[rows[i:i + chunk]]))
-        mx.eval(out[-1])
-    return mx.concatenate(out)
-
-
-def _head_vjp(parts, hc, targets):
-    f = _chunk_logp(parts, targets)
-    (lp,), (g,) = mx.vjp(lambda x: [f(x)], [hc], [mx.ones((hc.shape[0],), mx.float32)])
-    return lp, g
-
-
-def _chunk_logp(parts: ModelParts, targets: mx.array):
-    def logp(hc):
-        logits = parts.head(parts.norm(hc)).astype(mx.float32)
-        picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        return picked - mx.logsumexp(logits, axis=-1)
-    return logp
 
 
 def _place(stream: Stream, rows_grad: mx.array) -> mx.array:
@@ -639,7 +596,10 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
         lo, hi = segments[k]
         h_in = fwd.boundaries.pop()
         if fwd.fused:
-            dh = _fused_vjp(parts, fwd.masks, lo, hi, h_in, dh, params, grads)
+            dh, got = fusing.vjp(parts, tuple(fwd.masks[lo:hi]), lo, hi,
+                                 _layers_fn(parts, lo, hi, fwd.masks), h_in, dh)
+            _add_grads(grads, [p for i in range(lo, hi) for p in params[i]],
+                       [got[i, local] for i in range(lo, hi) for _, _, local, _ in params[i]])
         elif not block and not chunk:
             dh = _unit_vjp(parts, fwd, lo, hi, h_in, fwd.kv, dh, dkv, params, grads, seed, 0, 0)
         else:
@@ -701,69 +661,6 @@ def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block,
         got = (cots[1 + 2 * a], cots[2 + 2 * a])
         dkv[d] = got if d not in dkv else (dkv[d][0] + got[0], dkv[d][1] + got[1])
     _add_grads(grads, seg, cots[1 + n_in:])
-    return cots[0]
-
-
-# ---------------------------------------------------------------- fused segments
-
-def _fusable(parts, stream, masks, extras, rows, chunk) -> bool:
-    """Whether the stream's segments can run as compiled functions with the same
-    result: a compiled function keeps every array it did not take as an input as
-    it was when it was traced, and every Python branch as it went then. So only
-    where a segment's inputs are its boundary and its LoRA weights alone: the
-    model's own masks (no packed or prefix-shared layout, no blocks cut from
-    the rows' lengths), no per-layer inputs, no donor K/V, no pieces evaluated
-    inside, and no dropout (whose masks come from the random state)."""
-    return (not stream.masked and not stream.runs and not rows and not chunk
-            and all(m is None or isinstance(m, str) for m in masks)
-            and all(e is None for e in extras) and all(d is None for d in parts.donors)
-            and all(dropout_off(layer) for layer in parts.layers))
-
-
-def _fused(parts, key: tuple, make: Callable) -> Callable:
-    """The compiled function `make()` for `key`, compiled once per model (MLX traces
-    it again for each new input shape)."""
-    fn = parts.fused.get(key)
-    if fn is None:
-        fn = parts.fused[key] = mx.compile(make())
-    return fn
-
-
-def _segment_fn(parts, lo, hi, masks, seg):
-    """Layers [lo, hi) as a function of their input and their LoRA weights (`seg`'s
-    order): the weights go in as inputs, or the compiled function would keep the
-    ones it was traced with."""
-    layout = [(None, i, local, None) for _, i, local, _ in seg]
-    extras = [None] * len(masks)
-
-    def run(h, *flat):
-        _set_params(parts.layers, layout, flat)
-        return _run(parts, lo, hi, h, masks, extras, {}, None)[0]
-    return run
-
-
-def _fused_forward(parts, masks, lo, hi, h_in):
-    seg = [p for i in range(lo, hi) for p in _layer_params(parts.layers[i], i, parts.prefix)]
-    values = [v for _, _, _, v in seg]
-    make = lambda: _segment_fn(parts, lo, hi, masks, seg)
-    h = _fused(parts, ("fwd", lo, hi, *masks[lo:hi]), make)(h_in, *values)
-    _set_params(parts.layers, seg, values)  # a trace leaves its tracers in the modules
-    return h
-
-
-def _fused_vjp(parts, masks, lo, hi, h_in, dh, params, grads):
-    """_unit_vjp of a fusable segment, compiled: the boundary, the cotangent and the
-    segment's LoRA weights in, dh and their gradients out."""
-    seg = [p for i in range(lo, hi) for p in params[i]]
-    values = [v for _, _, _, v in seg]
-
-    def make():
-        run = _segment_fn(parts, lo, hi, masks, seg)
-        return lambda h, d, *flat: mx.vjp(lambda x, *p: [run(x, *p)], [h, *flat], [d])[1]
-
-    cots = _fused(parts, ("bwd", lo, hi, *masks[lo:hi]), make)(h_in, dh, *values)
-    _set_params(parts.layers, seg, values)
-    _add_grads(grads, seg, cots[1:])
     return cots[0]
 
 

@@ -109,7 +109,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
     # Boundaries offloaded to disk wait in an unlinked file here (engine/offload.py).
     # (auto reaches a node already decided: the head writes disk or none into the job)
     scratch = str(out / "scratch") if job.memory.offload != "none" and seg else None
-    # On a GPU the segments run compiled where that is exact (step._fusable): one
+    # On a GPU the segments run compiled where that is exact (engine/fused.py): one
     # kernel where a segment's elementwise work took many, as mlx-lm compiles its
     # step (bench/README). A CPU gains less and compiles each new shape slowly.
     memory = StepMemory(segment_size=seg, head_chunk=job.memory.head_chunk,

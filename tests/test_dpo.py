@@ -12,6 +12,7 @@ import math
 import mlx.core as mx
 import pytest
 
+import segctl.engine.head as head
 import segctl.engine.plans as plans
 import segctl.engine.step as step
 from segctl.engine.data import PreferenceExample
@@ -144,7 +145,7 @@ def test_the_switch_is_restored_when_the_step_raises(tiny_models, monkeypatch):
     def boom(*args):
         raise RuntimeError("head failed")
     with monkeypatch.context() as m:
-        m.setattr(step, "_head_logp", boom)   # raises inside the reference pass
+        m.setattr(head, "logp", boom)   # raises inside the reference pass
         with pytest.raises(RuntimeError, match="head failed"):
             loss_and_grads(model, ex, method="dpo", memory=StepMemory(segment_size=1))
     assert lora_state(model) == before

@@ -1,4 +1,4 @@
-"""Fused segments (engine/step.py, `_fusable`): a segment's forward, its backward
+"""Fused segments (engine/fused.py): a segment's forward, its backward
 and the head's chunks run as `mx.compile`d functions where that is exact. Each
 check runs the same steps fused and unfused from the same weights, the weights
 updated between steps (a compiled function that kept the weights it was traced

@@ -1,0 +1,90 @@
+"""A segment's forward, its recompute under vjp and the head's chunks as compiled
+functions (docs/engine.md, "Fused segments"): on a GPU a layer's elementwise work
+then runs as a few fused kernels instead of one kernel an operation, as mlx-lm
+compiles its whole step.
+
+A compiled function replays the graph it traced: an array it did not take as an
+input stays what it was then, and every Python branch goes as it went then. So
+the segment's LoRA weights go in as inputs beside its boundary and cotangent
+(the frozen base weights, the norm and the head may stay captured), and only
+streams whose segments take nothing else fuse (`fusable`). The functions are
+kept per model (`ModelParts.fused`); MLX traces one again for each new input
+shape."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .layer import dropout_off, set_params
+
+Run = Callable[[mx.array], mx.array]   # layers [lo, hi) on h, as the modules hold them
+
+
+def fusable(parts, stream, masks, extras, rows: int, chunk: int) -> bool:
+    """Whether the stream's segments can run compiled with the same result: the
+    model's own masks (no packed or prefix-shared layout, whose masks and RoPE
+    runs follow the rows' lengths, and no window or attention block cut into
+    calls), no per-layer inputs, no donor K/V, no pieces evaluated inside a
+    layer, and no dropout (its masks come from the random state)."""
+    return (not stream.masked and not stream.runs and not rows and not chunk
+            and all(m is None or isinstance(m, str) for m in masks)
+            and all(e is None for e in extras) and all(d is None for d in parts.donors)
+            and all(dropout_off(layer) for layer in parts.layers))
+
+
+def compiled(parts, key: tuple, make: Callable) -> Callable:
+    """The compiled `make()` for `key`, compiled once per model."""
+    fn = parts.fused.get(key)
+    if fn is None:
+        fn = parts.fused[key] = mx.compile(make())
+    return fn
+
+
+def forward(parts, key: tuple, lo: int, hi: int, run: Run, h: mx.array) -> mx.array:
+    """Layers [lo, hi) on h, compiled; `key` names what else the run depends on
+    (the layers' masks)."""
+    names, values = _trainables(parts, lo, hi)
+    out = compiled(parts, ("fwd", lo, hi, *key), lambda: _with_weights(parts, names, run))(
+        h, *values)
+    _put(parts, names, values)   # a trace leaves its tracers in the modules
+    return out
+
+
+def vjp(parts, key: tuple, lo: int, hi: int, run: Run, h: mx.array, dh: mx.array):
+    """(d h_in, {(layer, name): gradient}) of layers [lo, hi) at h under cotangent
+    dh, the recompute and its vjp compiled."""
+    names, values = _trainables(parts, lo, hi)
+
+    def make():
+        fn = _with_weights(parts, names, run)
+        return lambda x, d, *flat: mx.vjp(lambda y, *p: [fn(y, *p)], [x, *flat], [d])[1]
+
+    cots = compiled(parts, ("bwd", lo, hi, *key), make)(h, dh, *values)
+    _put(parts, names, values)
+    return cots[0], dict(zip(names, cots[1:]))
+
+
+def _trainables(parts, lo, hi) -> tuple[list[tuple[int, str]], list[mx.array]]:
+    flat = [((i, local), v) for i in range(lo, hi)
+            for local, v in tree_flatten(parts.layers[i].trainable_parameters())]
+    return [n for n, _ in flat], [v for _, v in flat]
+
+
+def _with_weights(parts, names, run: Run):
+    def fn(h, *values):
+        _put(parts, names, values)
+        return run(h)
+    return fn
+
+
+def _put(parts, names, values) -> None:
+    by_layer: dict[int, tuple[list, list]] = {}
+    for (i, local), v in zip(names, values):
+        by_layer.setdefault(i, ([], []))
+        by_layer[i][0].append(local)
+        by_layer[i][1].append(v)
+    for i, (locals_, vals) in by_layer.items():
+        set_params(parts.layers[i], locals_, vals)
