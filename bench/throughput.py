@@ -65,6 +65,9 @@ Configurations (`--configs` picks some by name; default: all of these over
   and one mx.eval, mx.clear_cache before each step, as engine/train.py does;
   head_chunk, attn_block and mlp_chunk at the job defaults.
   `sequences_per_step`: the sequences a step ran (packing leaves no padding).
+  `:fused` (e.g. `segctl:b32:side:s4:fused`): the segments run compiled where
+  that is exact (docs/engine.md, "Fused segments"), as a job does on a GPU;
+  `auto` fuses on a GPU too. Rows carry `fused`.
 
 The optimizer is AdamW lr 1e-5 (engine/optim.make_optimizer) for both. Each
 configuration prints one JSON row on stdout as it lands (a failing one prints
@@ -84,6 +87,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 # Qwen3-0.6B's config.json shape (bench.suite's QWEN3_06B keeps bench_model's head_dim 64).
@@ -169,6 +173,7 @@ def parse_config(name: str) -> dict:
 
 
 def default_configs(batches: list[int], segment_sizes: list[int]) -> list[str]:
+    from segctl.engine.step import on_gpu
     names = []
     for b in batches:
         names += [f"mlx-lm:b{b}", f"mlx-lm:b{b}:ckpt"]
@@ -176,6 +181,8 @@ def default_configs(batches: list[int], segment_sizes: list[int]) -> list[str]:
         for s in segment_sizes:
             names += [f"segctl:b{b}:unpacked:s{s}", f"segctl:b{b}:packed:s{s}"]
             names += [f"segctl:b{b}:side:s{s}"] if b > 1 else []
+            # a GPU's job fuses its segments; a CPU's does not (the side rows compare)
+            names += [f"segctl:b{b}:side:s{s}:fused"] if b > 1 and s and on_gpu() else []
     names += [f"segctl:b{max(batches)}:auto:s{s}" for s in segment_sizes[:1]]
     return names
 
@@ -404,7 +411,9 @@ def main(args) -> list[dict]:
 
 # ---------------------------------------------------------------- the table
 
-def _label(row: dict) -> str:
+def _label(row: dict, lengths: bool = False) -> str:
+    """The configuration in words; `lengths`: with its --pack-length (where a table
+    mixes rows of several)."""
     if row.get("impl") == "mlx-lm":
         return f"mlx-lm batch {row['batch']}" + (", grad_checkpoint" if row.get("grad_checkpoint")
                                                  else "")
@@ -417,7 +426,9 @@ def _label(row: dict) -> str:
         how = pack or ("packed" if row.get("packed") else "unpacked")
     seg = row.get("segment_size")
     return f"segctl batch {row['batch']}, {how}, " + ("plain" if not seg else f"segment {seg}") \
-        + (", fused" if row.get("fused") else "")
+        + (", fused" if row.get("fused") else "") \
+        + (f", at most {row['pack_length']} tokens a pass"
+           if lengths and row.get("pack_length") else "")
 
 
 def _shape(row: dict) -> str:
@@ -444,24 +455,26 @@ def table(rows: list[dict]) -> str:
     for group in groups.values():
         base = next((r for r in group if r.get("impl") == "mlx-lm" and r.get("batch") == 4
                      and not r.get("grad_checkpoint") and "error" not in r), None)
+        label = partial(_label, lengths=len({r.get("pack_length") for r in group
+                                             if r.get("pack_length")}) > 1)
         out += [f"{_shape(group[0])}:", "",
                 "| configuration | tokens/s | peak GB | seqs/step or pad eff. | loss (step 1) "
                 "| vs mlx-lm batch 4 |", "|---|---|---|---|---|---|"]
         for row in group:
             if "error" in row:
-                out.append(f"| {_label(row)} | failed: {row['error']} | | | | |")
+                out.append(f"| {label(row)} | failed: {row['error']} | | | | |")
                 continue
             shape = (f"{row['pad_efficiency']:.2f} pad eff." if row.get("pad_efficiency")
                      else f"{row['sequences_per_step']} seqs"
                      if row.get("sequences_per_step") is not None else "")
             ratio = ("1" if row is base else
                      f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "")
-            out.append(f"| {_label(row)} | {row['tokens_per_s']:.1f} | {row['peak_gb']:.3f} | "
+            out.append(f"| {label(row)} | {row['tokens_per_s']:.1f} | {row['peak_gb']:.3f} | "
                        f"{shape} | {row['loss']:.4f} | {ratio} |")
         ours = [r for r in group if r.get("impl") == "segctl" and "error" not in r]
         if base and ours:
             best = max(ours, key=lambda r: r["tokens_per_s"])
-            out += ["", f"segctl's best: {_label(best)}, {best['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+            out += ["", f"segctl's best: {label(best)}, {best['tokens_per_s'] / base['tokens_per_s']:.2f}x "
                         f"mlx-lm batch 4's tokens/s at {best['peak_gb'] / base['peak_gb']:.2f}x "
                         "its peak."]
         theirs = [r for r in group if r.get("impl") == "mlx-lm" and "error" not in r]
@@ -469,9 +482,9 @@ def table(rows: list[dict]) -> str:
             fit = [max((r for r in rows if r["peak_gb"] <= budget),
                        key=lambda r: r["tokens_per_s"], default=None) for rows in (ours, theirs)]
             if all(fit):
-                out.append(f"Within {budget:g} GB: segctl's best ({_label(fit[0])}) "
+                out.append(f"Within {budget:g} GB: segctl's best ({label(fit[0])}) "
                            f"{fit[0]['tokens_per_s'] / fit[1]['tokens_per_s']:.2f}x the best "
-                           f"mlx-lm configuration that fits ({_label(fit[1])}).")
+                           f"mlx-lm configuration that fits ({label(fit[1])}).")
         out.append("")
     return "\n".join(out)
 

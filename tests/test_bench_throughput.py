@@ -14,7 +14,7 @@ from bench import throughput
 TINY = ["--layers", "2", "--dim", "64", "--vocab", "512", "--rows", "8", "--median", "40",
         "--max-len", "64", "--pack-length", "128"]
 CONFIGS = ["mlx-lm:b1", "mlx-lm:b4", "segctl:b1:unpacked:s0", "segctl:b4:unpacked:s2",
-           "segctl:b4:packed:s2", "segctl:b4:auto:s0"]
+           "segctl:b4:packed:s2", "segctl:b4:auto:s0", "segctl:b4:side:s1:fused"]
 
 
 def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
@@ -47,6 +47,8 @@ def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
     assert by["segctl:b4:packed:s2"]["sequences_per_step"] < 4
     assert by["segctl:b4:auto:s0"]["packed"] is True and by["segctl:b4:auto:s0"]["pack"] == "auto"
     assert 0 < by["mlx-lm:b4"]["pad_efficiency"] < 1
+    # asked for, fused (auto on this CPU is not); the same loss, checked above
+    assert by["segctl:b4:side:s1:fused"]["fused"] is True and by["segctl:b4:auto:s0"]["fused"] is False
     assert by["mlx-lm:b4"]["processed_tokens"] > by["segctl:b4:packed:s2"]["processed_tokens"]
 
     # the table: ratios of tokens/s against mlx-lm batch 4
@@ -57,6 +59,7 @@ def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
     mine = next(l for l in lines if l.startswith("| segctl batch 4, packed, segment 2 |"))
     assert mine.endswith(f"| {by['segctl:b4:packed:s2']['tokens_per_s'] / base:.2f}x |"), mine
     assert any(l.startswith("| segctl batch 4, pack auto (packed), plain |") for l in lines)
+    assert any(l.startswith("| segctl batch 4, side, segment 1, fused |") for l in lines)
     assert "segctl's best:" in err
 
     # the same table from the saved rows
@@ -85,6 +88,7 @@ def test_mlx_lm_lengths_would_read_one_token_past_each_row():
 @pytest.mark.parametrize("argv, says", [
     (["--batches", "1,x"], "argument --batches: '1,x' is not a comma-separated list"),
     (["--configs", "segctl:b4:squashed:s0"], "bad configuration 'segctl:b4:squashed:s0'"),
+    (["--configs", "segctl:b4:side:s1:fast"], "bad configuration 'segctl:b4:side:s1:fast'"),
     (["--rows", "6", "--configs", "mlx-lm:b4"], "--rows 6 is not a multiple of mlx-lm:b4's"),
     (["--shape", "llama-70b"], "argument --shape: invalid choice: 'llama-70b'"),
     (["table"], "usage: python -m bench.throughput table ROWS.jsonl"),
