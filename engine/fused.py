@@ -7,12 +7,19 @@ A compiled function replays the graph it traced: an array it did not take as an
 input stays what it was then, and every Python branch goes as it went then. So
 the segment's LoRA weights go in as inputs beside its boundary and cotangent
 (the frozen base weights, the norm and the head may stay captured), and only
-streams whose segments take nothing else fuse (`fusable`). The functions are
-kept per model (`ModelParts.fused`); MLX traces one again for each new input
-shape."""
+streams whose segments take nothing else fuse (`fusable`).
+
+MLX traces a compiled function again for each new input shape and keeps every
+trace (a few MB each at Qwen3-0.6B's size) until the function goes, and a trace
+costs about what running the segment does. So a stream's shape runs compiled
+from the second time it comes (`ready`: a shape seen once never pays for a
+trace), and a model keeps the functions of its `MAX_SHAPES` shapes used last
+(`Cache`), each shape's own, so that dropping one frees its traces."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -21,6 +28,37 @@ from mlx.utils import tree_flatten
 from .layer import dropout_off, set_params
 
 Run = Callable[[mx.array], mx.array]   # layers [lo, hi) on h, as the modules hold them
+Shape = tuple[int, ...]   # a stream's [sequences, length]
+MAX_SHAPES = 16           # stream shapes whose compiled functions a model keeps
+SEEN_ONCE = 4096          # shapes remembered as seen once (then forgotten, all)
+
+
+@dataclass
+class Cache:
+    """A model's compiled functions (`ModelParts.fused`): by stream shape, the one
+    used last at the end, and by what each runs; and the shapes seen once."""
+    fns: OrderedDict[Shape, dict[tuple, Callable]] = field(default_factory=OrderedDict)
+    once: set[Shape] = field(default_factory=set)
+
+
+def ready(parts, shape: Shape) -> bool:
+    """Whether a stream of `shape` runs compiled this time: not the first time the
+    model sees the shape, from the second on (made room for, dropping the shape
+    used longest ago past MAX_SHAPES)."""
+    cache = parts.fused = parts.fused or Cache()
+    if shape in cache.fns:
+        cache.fns.move_to_end(shape)
+        return True
+    if shape not in cache.once:
+        if len(cache.once) >= SEEN_ONCE:
+            cache.once.clear()
+        cache.once.add(shape)
+        return False
+    cache.once.discard(shape)
+    cache.fns[shape] = {}
+    if len(cache.fns) > MAX_SHAPES:
+        cache.fns.popitem(last=False)   # MLX frees the traces with the functions
+    return True
 
 
 def fusable(parts, stream, masks, extras, rows: int, chunk: int) -> bool:
@@ -35,25 +73,28 @@ def fusable(parts, stream, masks, extras, rows: int, chunk: int) -> bool:
             and all(dropout_off(layer) for layer in parts.layers))
 
 
-def compiled(parts, key: tuple, make: Callable) -> Callable:
-    """The compiled `make()` for `key`, compiled once per model."""
-    fn = parts.fused.get(key)
+def compiled(parts, shape: Shape, key: tuple, make: Callable) -> Callable:
+    """The compiled `make()` for `key` in streams of `shape` (`ready` said so)."""
+    fns = parts.fused.fns[shape]
+    fn = fns.get(key)
     if fn is None:
-        fn = parts.fused[key] = mx.compile(make())
+        fn = fns[key] = mx.compile(make())
     return fn
 
 
-def forward(parts, key: tuple, lo: int, hi: int, run: Run, h: mx.array) -> mx.array:
+def forward(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run,
+            h: mx.array) -> mx.array:
     """Layers [lo, hi) on h, compiled; `key` names what else the run depends on
     (the layers' masks)."""
     names, values = _trainables(parts, lo, hi)
-    out = compiled(parts, ("fwd", lo, hi, *key), lambda: _with_weights(parts, names, run))(
-        h, *values)
+    out = compiled(parts, shape, ("fwd", lo, hi, *key),
+                   lambda: _with_weights(parts, names, run))(h, *values)
     _put(parts, names, values)   # a trace leaves its tracers in the modules
     return out
 
 
-def vjp(parts, key: tuple, lo: int, hi: int, run: Run, h: mx.array, dh: mx.array):
+def vjp(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run, h: mx.array,
+        dh: mx.array):
     """(d h_in, {(layer, name): gradient}) of layers [lo, hi) at h under cotangent
     dh, the recompute and its vjp compiled."""
     names, values = _trainables(parts, lo, hi)
@@ -62,7 +103,7 @@ def vjp(parts, key: tuple, lo: int, hi: int, run: Run, h: mx.array, dh: mx.array
         fn = _with_weights(parts, names, run)
         return lambda x, d, *flat: mx.vjp(lambda y, *p: [fn(y, *p)], [x, *flat], [d])[1]
 
-    cots = compiled(parts, ("bwd", lo, hi, *key), make)(h, dh, *values)
+    cots = compiled(parts, shape, ("bwd", lo, hi, *key), make)(h, dh, *values)
     _put(parts, names, values)
     return cots[0], dict(zip(names, cots[1:]))
 

@@ -14,13 +14,13 @@ from .model import ModelParts
 from .plans import Stream
 
 
-def logp_and_grads(parts, h, stream: Stream, chunk: int, fused: bool = False):
+def logp_and_grads(parts, h, stream: Stream, chunk: int, fused: tuple | None = None):
     """(log p [M], d log p / dh [M, D]) of the stream's read rows, `chunk` rows at a
     time: each chunk's norm -> lm_head -> log-softmax -> target log p runs under its
     own vjp and is evaluated before the next starts, so [chunk, V] logits (and their
     cotangent) exist for one chunk at a time. One graph over all chunks is not
     enough: a GPU queue allocates every chunk's logits before the first is freed.
-    `fused`: each chunk's vjp runs compiled."""
+    `fused` (the stream's shape): each chunk's vjp runs compiled."""
     rows, targets = stream.rows, mx.array(stream.targets, dtype=mx.int32)
     h = h.reshape(-1, h.shape[-1])   # side by side, rows index the sequences one after another
     logps, gs = [], []
@@ -29,8 +29,8 @@ def logp_and_grads(parts, h, stream: Stream, chunk: int, fused: bool = False):
             hc = h[rows[0] + i:rows[0] + i + chunk]
         else:
             hc = h[mx.array(rows[i:i + chunk])]
-        if fused:
-            lp, g = fused_fns.compiled(parts, ("head",), lambda: partial(_chunk_vjp, parts))(
+        if fused is not None:
+            lp, g = fused_fns.compiled(parts, fused, ("head",), lambda: partial(_chunk_vjp, parts))(
                 hc, targets[i:i + chunk])
         else:
             lp, g = _chunk_vjp(parts, hc, targets[i:i + chunk])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,7 +68,7 @@ class ModelParts:
     whole_rows: dict[str, str] = field(default_factory=dict)
     pack_verdict: tuple | None = None           # (why rows cannot be packed, or None): step.pack_refusal
     side_verdict: tuple | None = None           # (why rows cannot run side by side, or None): step.side_refusal
-    fused: dict = field(default_factory=dict)   # engine/fused.py: compiled functions by what they run
+    fused: Any = None                           # engine/fused.py's Cache: compiled functions
 
 
 def load_model(path: str | Path):

@@ -474,7 +474,7 @@ class _Forward:
     extras: list
     kv: dict            # donor K/V that later segments read
     boundaries: Boundaries  # each segment's input, in memory or on disk
-    fused: bool = False     # its segments and head run compiled (fused.fusable)
+    fused: tuple | None = None  # its shape where its segments and head run compiled
 
 
 def _segmented(model, parts, plan, memory, on_phase, offload_s):
@@ -537,17 +537,19 @@ def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forwa
              fused: bool = False) -> mx.array:
     """Fill `fwd` with the stream's masks, extra inputs, donor K/V and each segment's
     input boundary; return the last layer's output. `fused`: run compiled where
-    that is exact (sets fwd.fused)."""
+    that is exact and the shape has come before (sets fwd.fused)."""
     # A boundary evaluated outside any transform is a graph-free leaf, so each
     # segment's activations die with it.
     h, fwd.masks, fwd.extras = _embed(parts, stream, rows)
     masks, extras = fwd.masks, fwd.extras
-    fwd.fused = fused and fusing.fusable(parts, stream, masks, extras, rows, chunk)
+    shape = (stream.batch, stream.length)
+    fwd.fused = shape if fused and fusing.fusable(parts, stream, masks, extras, rows, chunk) \
+        and fusing.ready(parts, shape) else None
     mx.eval(h, extras)
     for k, (lo, hi) in enumerate(segments):
         h_in = h
         if fwd.fused:
-            h, produced = fusing.forward(parts, tuple(masks[lo:hi]), lo, hi,
+            h, produced = fusing.forward(parts, fwd.fused, tuple(masks[lo:hi]), lo, hi,
                                          _layers_fn(parts, lo, hi, masks), h_in), {}
         else:
             with eager(parts.layers, parts.tokenwise or [], chunk):
@@ -596,7 +598,7 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
         lo, hi = segments[k]
         h_in = fwd.boundaries.pop()
         if fwd.fused:
-            dh, got = fusing.vjp(parts, tuple(fwd.masks[lo:hi]), lo, hi,
+            dh, got = fusing.vjp(parts, fwd.fused, tuple(fwd.masks[lo:hi]), lo, hi,
                                  _layers_fn(parts, lo, hi, fwd.masks), h_in, dh)
             _add_grads(grads, [p for i in range(lo, hi) for p in params[i]],
                        [got[i, local] for i in range(lo, hi) for _, _, local, _ in params[i]])

@@ -29,7 +29,8 @@ def rows_of(vocab, shapes, seed=0):
 def three_steps(model, batch, fused: bool, **kw):
     """[(loss, grads)] of three steps from the model's weights, each followed by a
     plain gradient update; the weights are put back at the end. Returns them and
-    the compiled functions the steps kept (parts.fused)."""
+    the compiled functions the steps kept (parts.fused). A stream's shape runs
+    compiled from the second time it comes: steps 2 and 3 here."""
     start = [(n, mx.array(v)) for n, v in tree_flatten(model.trainable_parameters())]
     parts = model_parts(model, check=False)
     memory = StepMemory(segment_size=kw.pop("seg", 2), fused=fused)
@@ -59,9 +60,10 @@ def test_fused_steps_are_the_unfused_steps_as_the_weights_change(tiny_models, se
         got, compiled = three_steps(model, batch, True, seg=seg, **kw)
         assert_same(want, got)
         segments = -(-len(model.layers) // seg)
-        # one forward and one backward per segment, and the head: compiled once,
-        # traced again by MLX for each new shape
-        assert sorted(k[0] for k in compiled) == ["bwd"] * segments + ["fwd"] * segments + ["head"]
+        # for each shape, one forward and one backward per segment, and the head
+        assert compiled.fns and not compiled.once
+        for fns in compiled.fns.values():
+            assert sorted(k[0] for k in fns) == ["bwd"] * segments + ["fwd"] * segments + ["head"]
     # the steps moved the weights: the third step's loss is not the first's
     assert abs(got[2][0] - got[0][0]) > 1e-3
 
@@ -80,7 +82,7 @@ def test_a_preference_step_in_two_branches_fuses_too(tiny_models):
         want, _ = three_steps(model, batch, False, **kw)
         got, compiled = three_steps(model, batch, True, **kw)
         assert_same(want, got)
-        assert compiled, method
+        assert compiled.fns, method
 
 
 def test_layouts_a_compiled_function_cannot_follow_run_unfused(tiny_models):
@@ -112,7 +114,7 @@ def test_layouts_a_compiled_function_cannot_follow_run_unfused(tiny_models):
                                      memory=StepMemory(segment_size=2, attn_block=block,
                                                        fused=True))
         mx.eval(loss, grads)
-        assert parts.fused == {}, name
+        assert parts.fused is None, name
         unfused = model_parts(model, check=False)
         mx.random.seed(1)
         loss0, ref = loss_and_grads(model, rows, parts=unfused, **kw,
@@ -146,3 +148,29 @@ def test_a_job_fuses_its_segments_on_a_gpu_and_says_so(demo_dir, tmp_path, monke
     first = start_of(2)
     assert first["event"] == "start" and first["fused"] is True and first["side_by_side"] is True
     assert start_of(0)["fused"] is False
+
+
+def test_a_shape_runs_compiled_from_its_second_time_and_few_shapes_are_kept(tiny_models,
+                                                                             monkeypatch):
+    """A trace costs about what the segment's run does and stays until its function
+    goes: a shape seen once never pays for one, and a model keeps the functions of
+    the MAX_SHAPES stream shapes used last."""
+    from segctl.engine import fused
+    monkeypatch.setattr(fused, "MAX_SHAPES", 2)
+    model = lora_model(tiny_models["qwen3"])
+    parts = model_parts(model, check=False)
+    memory = StepMemory(segment_size=2, fused=True)
+    V = model.args.vocab_size
+
+    def step(n):
+        loss, grads = loss_and_grads(model, rows_of(V, [(n, 2)]), parts=parts, memory=memory)
+        mx.eval(loss, grads)
+        return list(parts.fused.fns), sorted(parts.fused.once)
+
+    assert step(10) == ([], [(1, 9)])          # [sequences, length]: the row less its last
+    assert step(10) == ([(1, 9)], [])
+    assert step(12) == ([(1, 9)], [(1, 11)])
+    assert step(12) == ([(1, 9), (1, 11)], [])
+    assert step(10) == ([(1, 11), (1, 9)], [])                 # used last: at the end
+    assert step(14) == ([(1, 11), (1, 9)], [(1, 13)])
+    assert step(14) == ([(1, 9), (1, 13)], [])                 # (1, 11) dropped, its traces too
