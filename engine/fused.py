@@ -14,7 +14,12 @@ trace (a few MB each at Qwen3-0.6B's size) until the function goes, and a trace
 costs about what running the segment does. So a stream's shape runs compiled
 from the second time it comes (`ready`: a shape seen once never pays for a
 trace), and a model keeps the functions of its `MAX_SHAPES` shapes used last
-(`Cache`), each shape's own, so that dropping one frees its traces."""
+(`Cache`), each shape's own, so that dropping one frees its traces.
+
+A layer that evaluates an array inside its call (the engine's own backward of
+attention sinks, off the CPU) cannot be traced at all: MLX refuses at the
+trace, and the model runs unfused from there on (`Cache.refused`), the segment
+at hand included."""
 
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class Cache:
     used last at the end, and by what each runs; and the shapes seen once."""
     fns: OrderedDict[Shape, dict[tuple, Callable]] = field(default_factory=OrderedDict)
     once: set[Shape] = field(default_factory=set)
+    refused: str | None = None   # why a trace failed: the model fuses no more
 
 
 def ready(parts, shape: Shape) -> bool:
@@ -46,6 +52,8 @@ def ready(parts, shape: Shape) -> bool:
     model sees the shape, from the second on (made room for, dropping the shape
     used longest ago past MAX_SHAPES)."""
     cache = parts.fused = parts.fused or Cache()
+    if cache.refused:
+        return False
     if shape in cache.fns:
         cache.fns.move_to_end(shape)
         return True
@@ -83,29 +91,44 @@ def compiled(parts, shape: Shape, key: tuple, make: Callable) -> Callable:
 
 
 def forward(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run,
-            h: mx.array) -> mx.array:
-    """Layers [lo, hi) on h, compiled; `key` names what else the run depends on
-    (the layers' masks)."""
+            h: mx.array) -> mx.array | None:
+    """Layers [lo, hi) on h, compiled (None where the trace failed: run them
+    unfused); `key` names what else the run depends on (the layers' masks)."""
     names, values = _trainables(parts, lo, hi)
-    out = compiled(parts, shape, ("fwd", lo, hi, *key),
-                   lambda: _with_weights(parts, names, run))(h, *values)
-    _put(parts, names, values)   # a trace leaves its tracers in the modules
-    return out
+    make = lambda: _with_weights(parts, names, run)
+    return _traced(parts, names, values,
+                   lambda: compiled(parts, shape, ("fwd", lo, hi, *key), make)(h, *values))
 
 
 def vjp(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run, h: mx.array,
         dh: mx.array):
     """(d h_in, {(layer, name): gradient}) of layers [lo, hi) at h under cotangent
-    dh, the recompute and its vjp compiled."""
+    dh, the recompute and its vjp compiled (None where the trace failed)."""
     names, values = _trainables(parts, lo, hi)
 
     def make():
         fn = _with_weights(parts, names, run)
         return lambda x, d, *flat: mx.vjp(lambda y, *p: [fn(y, *p)], [x, *flat], [d])[1]
 
-    cots = compiled(parts, shape, ("bwd", lo, hi, *key), make)(h, dh, *values)
-    _put(parts, names, values)
-    return cots[0], dict(zip(names, cots[1:]))
+    cots = _traced(parts, names, values,
+                   lambda: compiled(parts, shape, ("bwd", lo, hi, *key), make)(h, dh, *values))
+    return None if cots is None else (cots[0], dict(zip(names, cots[1:])))
+
+
+def _traced(parts, names, values, call: Callable):
+    """call(), or None where its trace met an evaluation inside (the model is then
+    fused no more); the weights put back either way (a trace leaves its tracers
+    in the modules)."""
+    try:
+        return call()
+    except ValueError as e:   # MLX: "... eval an array during function transformations ..."
+        if "function transformations" not in str(e):
+            raise
+        parts.fused.refused = str(e).splitlines()[0]
+        parts.fused.fns.clear()
+        return None
+    finally:
+        _put(parts, names, values)
 
 
 def _trainables(parts, lo, hi) -> tuple[list[tuple[int, str]], list[mx.array]]:

@@ -548,10 +548,12 @@ def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forwa
     mx.eval(h, extras)
     for k, (lo, hi) in enumerate(segments):
         h_in = h
-        if fwd.fused:
-            h, produced = fusing.forward(parts, fwd.fused, tuple(masks[lo:hi]), lo, hi,
-                                         _layers_fn(parts, lo, hi, masks), h_in), {}
+        out = fusing.forward(parts, fwd.fused, tuple(masks[lo:hi]), lo, hi,
+                             _layers_fn(parts, lo, hi, masks), h_in) if fwd.fused else None
+        if out is not None:
+            h, produced = out, {}
         else:
+            fwd.fused = None   # not fused, or its trace failed: the rest runs unfused
             with eager(parts.layers, parts.tokenwise or [], chunk):
                 h, produced = _run(parts, lo, hi, h_in, masks, extras, fwd.kv, seed, chunk)
         for d in _exports(parts, lo, hi):
@@ -597,12 +599,14 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
     for k in reversed(range(len(segments))):
         lo, hi = segments[k]
         h_in = fwd.boundaries.pop()
-        if fwd.fused:
-            dh, got = fusing.vjp(parts, fwd.fused, tuple(fwd.masks[lo:hi]), lo, hi,
-                                 _layers_fn(parts, lo, hi, fwd.masks), h_in, dh)
+        got = fusing.vjp(parts, fwd.fused, tuple(fwd.masks[lo:hi]), lo, hi,
+                         _layers_fn(parts, lo, hi, fwd.masks), h_in, dh) if fwd.fused else None
+        if got is not None:
+            dh, by_name = got
             _add_grads(grads, [p for i in range(lo, hi) for p in params[i]],
-                       [got[i, local] for i in range(lo, hi) for _, _, local, _ in params[i]])
-        elif not block and not chunk:
+                       [by_name[i, local] for i in range(lo, hi) for _, _, local, _ in params[i]])
+        elif not block and not chunk:   # (a fused stream's failed trace lands here too)
+            fwd.fused = None
             dh = _unit_vjp(parts, fwd, lo, hi, h_in, fwd.kv, dh, dkv, params, grads, seed, 0, 0)
         else:
             # One layer at a time (each in pieces, engine/layer.py): recompute the

@@ -265,3 +265,35 @@ def test_layers_that_use_the_mask_themselves_get_arrays():
                           ("gpt_oss", True)):
         parts = model_parts(tiny_model(family)[0], name=family)
         assert parts.block_masks == [takes] * len(parts.layers), family
+
+
+@pytest.mark.parametrize("family", families())
+def test_family_fuses_exactly_or_runs_unfused(family, monkeypatch):
+    """A GPU's fused segments (engine/fused.py) on every family: a row shorter than
+    every window (so every layer keeps the model's own mask), the fused step
+    after the one that sees its shape equal to the unfused step; attention sinks
+    through the engine's own vjp, as on a GPU. A family whose segments take other
+    inputs (per-layer inputs, donor K/V) runs unfused and compiles nothing."""
+    from segctl.engine import attention
+    try:
+        model, _ = tiny_model(family)
+        parts = model_parts(model, name=family)
+    except (Exception, SystemExit):
+        pytest.skip(f"{family}: not built or refused (test_family_trains_exactly_or_is_refused)")
+    _lora(model, family)
+    monkeypatch.setattr(attention, "own_sinks_vjp", lambda: True)
+    ids = mx.random.randint(1, _vocab(model), (7,), key=mx.random.key(0)).tolist()
+    ex = Example(ids, 2)
+    loss0, ref = loss_and_grads(model, ex, memory=StepMemory(segment_size=2), parts=parts)
+    fused = StepMemory(segment_size=2, fused=True)
+    for _ in range(2):
+        loss, grads = loss_and_grads(model, ex, memory=fused, parts=parts)
+        assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), family
+        assert _worst(grads, ref) <= TOL, family
+    row = mx.array([ids[:-1]])
+    if any(d is not None for d in parts.donors) or any(
+            x is not None for x in parts.layer_inputs(row, parts.embed(row))):
+        assert parts.fused is None, family   # never even counted a shape
+    elif parts.fused is not None and parts.fused.refused:   # a trace met an eval inside
+        assert "function transformations" in parts.fused.refused, family
+        assert not parts.fused.fns

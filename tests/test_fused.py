@@ -174,3 +174,28 @@ def test_a_shape_runs_compiled_from_its_second_time_and_few_shapes_are_kept(tiny
     assert step(10) == ([(1, 11), (1, 9)], [])                 # used last: at the end
     assert step(14) == ([(1, 11), (1, 9)], [(1, 13)])
     assert step(14) == ([(1, 9), (1, 13)], [])                 # (1, 11) dropped, its traces too
+
+
+def test_a_layer_that_evaluates_inside_runs_unfused_from_the_trace_that_meets_it(tiny_models):
+    """MLX cannot trace an evaluation (the engine's own attention-sinks backward
+    evaluates its tiles, off the CPU): the step goes on unfused from that segment,
+    exact, and the model fuses no more."""
+    model = lora_model(tiny_models["qwen3"])
+    batch = rows_of(model.args.vocab_size, [(20, 4)])
+    want, _ = three_steps(model, batch, False)
+    mlp = model.model.layers[3].mlp
+    call = type(mlp).__call__
+
+    class Evaluating(type(mlp)):
+        def __call__(self, x):
+            out = call(self, x)
+            mx.eval(out)   # allowed in a plain run, refused in a trace
+            return out
+
+    mlp.__class__ = Evaluating
+    try:
+        got, cache = three_steps(model, batch, True)
+    finally:
+        mlp.__class__ = Evaluating.__bases__[0]
+    assert_same(want, got)
+    assert "function transformations" in cache.refused and not cache.fns
