@@ -10,11 +10,11 @@ the segment's LoRA weights go in as inputs beside its boundary and cotangent
 streams whose segments take nothing else fuse (`fusable`).
 
 MLX traces a compiled function again for each new input shape and keeps every
-trace (a few MB each at Qwen3-0.6B's size) until the function goes, and a trace
-costs about what running the segment does. So a stream's shape runs compiled
-from the second time it comes (`ready`: a shape seen once never pays for a
-trace), and a model keeps the functions of its `MAX_SHAPES` shapes used last
-(`Cache`), each shape's own, so that dropping one frees its traces.
+trace until the function goes (~5 MB a shape on an 8 x 256 model), and a trace
+takes time. So a stream's shape runs compiled from the second time it comes
+(`ready`: a shape seen once never pays for a trace), and a model keeps the
+functions of its `MAX_SHAPES` shapes used last (`Cache`), each shape's own, so
+that dropping one frees its traces.
 
 A layer that evaluates an array inside its call (the engine's own backward of
 attention sinks, off the CPU) cannot be traced at all: MLX refuses at the
