@@ -71,15 +71,19 @@ def fleet(tmp_path_factory):
            "lora": {"rank": 4}, "train": {"iters": 4, "learning_rate": 1e-4, "val_batches": 2},
            "memory": {"segment_size": 1}}
     (root / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-    up = segctl("cluster", "up", root / "cluster.yaml", timeout=180,
-                env={"PATH": f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}"})
-    assert up.returncode == 0, up.stderr
-    fleet_info = json.loads((root / "stores" / "fleet.json").read_text())
-    yield {"root": root, "cluster": root / "cluster.yaml", "stores": root / "stores",
-           "peaks": peaks, "small": small, "info": fleet_info}
-    # a test may have replaced a node it took away: the processes recorded now count too
-    now = json.loads((root / "stores" / "fleet.json").read_text())
-    down = segctl("cluster", "down", root / "cluster.yaml", timeout=120)
+    try:
+        up = segctl("cluster", "up", root / "cluster.yaml", timeout=180,
+                    env={"PATH": f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}"})
+        assert up.returncode == 0, up.stderr
+        fleet_info = json.loads((root / "stores" / "fleet.json").read_text())
+        yield {"root": root, "cluster": root / "cluster.yaml", "stores": root / "stores",
+               "peaks": peaks, "small": small, "info": fleet_info}
+        # a test may have replaced a node it took away: the processes recorded now count too
+        now = json.loads((root / "stores" / "fleet.json").read_text())
+    finally:
+        # whatever `up` started, also where it failed or was cut short (a Ctrl-C):
+        # a head left running holds the port and token the next run's fleet needs
+        down = segctl("cluster", "down", root / "cluster.yaml", timeout=120)
     assert down.returncode == 0, down.stderr
     for pid in set(_pids(fleet_info) + _pids(now)):
         assert not alive(pid), f"process {pid} outlived `segctl cluster down`"

@@ -66,13 +66,15 @@ def fleet(tmp_path_factory):
         ],
     }
     (root / "cluster.yaml").write_text(yaml.safe_dump(cluster, sort_keys=False))
-    up = segctl("cluster", "up", root / "cluster.yaml", timeout=180, env=PATIENT_RAY)
-    assert up.returncode == 0, up.stderr
-    info = json.loads((root / "stores" / "fleet.json").read_text())
-    yield {"root": root, "cluster": root / "cluster.yaml", "stores": root / "stores",
-           "small": small, "seq_len": seq_len, "small_class": f"sim-s/{small:g}GB",
-           "big_class": "sim-l/0.5GB"}
-    down = segctl("cluster", "down", root / "cluster.yaml", timeout=120)
+    try:
+        up = segctl("cluster", "up", root / "cluster.yaml", timeout=180, env=PATIENT_RAY)
+        assert up.returncode == 0, up.stderr
+        info = json.loads((root / "stores" / "fleet.json").read_text())
+        yield {"root": root, "cluster": root / "cluster.yaml", "stores": root / "stores",
+               "small": small, "seq_len": seq_len, "small_class": f"sim-s/{small:g}GB",
+               "big_class": "sim-l/0.5GB"}
+    finally:   # whatever `up` started, also where it failed or was cut short
+        down = segctl("cluster", "down", root / "cluster.yaml", timeout=120)
     assert down.returncode == 0, down.stderr
     pids = [info["head"]["pid"]] + [n["pid"] for n in info["nodes"].values() if n.get("pid")]
     for pid in pids:
