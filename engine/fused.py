@@ -30,7 +30,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .layer import dropout_off, set_params
+from .layer import dropout_off, put_params
 
 Run = Callable[[mx.array], mx.array]   # layers [lo, hi) on h, as the modules hold them
 Shape = tuple[int, ...]   # a stream's [sequences, length]
@@ -128,7 +128,7 @@ def _traced(parts, names, values, call: Callable):
         parts.fused.fns.clear()
         return None
     finally:
-        _put(parts, names, values)
+        put_params(parts.layers, names, values)
 
 
 def _trainables(parts, lo, hi) -> tuple[list[tuple[int, str]], list[mx.array]]:
@@ -139,16 +139,7 @@ def _trainables(parts, lo, hi) -> tuple[list[tuple[int, str]], list[mx.array]]:
 
 def _with_weights(parts, names, run: Run):
     def fn(h, *values):
-        _put(parts, names, values)
+        put_params(parts.layers, names, values)
         return run(h)
     return fn
 
-
-def _put(parts, names, values) -> None:
-    by_layer: dict[int, tuple[list, list]] = {}
-    for (i, local), v in zip(names, values):
-        by_layer.setdefault(i, ([], []))
-        by_layer[i][0].append(local)
-        by_layer[i][1].append(v)
-    for i, (locals_, vals) in by_layer.items():
-        set_params(parts.layers[i], locals_, vals)

@@ -126,6 +126,17 @@ def set_params(module: nn.Module, names: list[str], values) -> None:
     module.update(tree_unflatten(list(zip(names, values))))
 
 
+def put_params(layers, keys: list[tuple[int, str]], values) -> None:
+    """set_params over several layers: `keys` are (layer index, local name)."""
+    by_layer: dict[int, tuple[list, list]] = {}
+    for (i, local), v in zip(keys, values):
+        names, vals = by_layer.setdefault(i, ([], []))
+        names.append(local)
+        vals.append(v)
+    for i, (names, vals) in by_layer.items():
+        set_params(layers[i], names, vals)
+
+
 def same_cut(whole: mx.array, cut: mx.array) -> bool:
     """Whether an op run in pieces gave what it gave whole: the same shape and
     within 1% of the whole's largest magnitude (the order of sums differs)."""

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
@@ -47,7 +47,7 @@ from . import attention, head, rows
 from . import fused as fusing
 from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
 from .data import PreferenceExample
-from .layer import eager, layer_vjp
+from .layer import eager, layer_vjp, put_params
 from .model import ModelParts, model_parts
 from .offload import Boundaries
 from .plans import RowPlan, StepError, Stream, has_rope, make_plan, make_plans, packed_stream, side_stream, step_report
@@ -686,11 +686,7 @@ def _layer_params(layer, i, prefix):
 
 
 def _set_params(layers, plist, values):
-    by_layer: dict[int, list] = {}
-    for (_, i, local, _), v in zip(plist, values):
-        by_layer.setdefault(i, []).append((local, v))
-    for i, items in by_layer.items():
-        layers[i].update(tree_unflatten(items))
+    put_params(layers, [(i, local) for _, i, local, _ in plist], values)
 
 
 def _check_all_trainables_in_layers(names, params):
