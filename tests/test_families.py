@@ -86,6 +86,18 @@ def _lora(model, family):
         model.set_dtype(mx.float64)
 
 
+def _trainable(family):
+    """(model with random LoRA, its parts), or the test skipped where the family does
+    not build or is refused (test_family_trains_exactly_or_is_refused says why)."""
+    try:
+        model, _ = tiny_model(family)
+        parts = model_parts(model, name=family)
+    except (Exception, SystemExit):
+        pytest.skip(f"{family}: not built or refused (test_family_trains_exactly_or_is_refused)")
+    _lora(model, family)
+    return model, parts
+
+
 def _vocab(model):
     text = model.language_model if hasattr(model, "language_model") else model
     return text.model.embed_tokens.weight.shape[0]
@@ -237,12 +249,7 @@ def test_prefix_shared_preference_runs_exactly_or_falls_back(family):
     """Prefix-shared ORPO on every family that trains: exact, whether its layers
     take block masks (`parts.block_masks`) or get array masks instead."""
     from segctl.engine import PreferenceExample
-    try:
-        model, _ = tiny_model(family)
-        parts = model_parts(model, name=family)
-    except (Exception, SystemExit):
-        pytest.skip(f"{family}: not built or refused (the test above says why)")
-    _lora(model, family)
+    model, parts = _trainable(family)
     w = check_length(getattr(model, "language_model", model))
     toks = mx.random.randint(1, _vocab(model), (3 * w,), key=mx.random.key(3)).tolist()
     ex = PreferenceExample(toks[:w], toks[w:2 * w], toks[2 * w:3 * w - 3])
@@ -275,12 +282,7 @@ def test_family_fuses_exactly_or_runs_unfused(family, monkeypatch):
     through the engine's own vjp, as on a GPU. A family whose segments take other
     inputs (per-layer inputs, donor K/V) runs unfused and compiles nothing."""
     from segctl.engine import attention
-    try:
-        model, _ = tiny_model(family)
-        parts = model_parts(model, name=family)
-    except (Exception, SystemExit):
-        pytest.skip(f"{family}: not built or refused (test_family_trains_exactly_or_is_refused)")
-    _lora(model, family)
+    model, parts = _trainable(family)
     monkeypatch.setattr(attention, "own_sinks_vjp", lambda: True)
     ids = mx.random.randint(1, _vocab(model), (7,), key=mx.random.key(0)).tolist()
     ex = Example(ids, 2)
