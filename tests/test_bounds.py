@@ -10,7 +10,6 @@ through the CLI; here are the parts it cannot show.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from segctl.schemas.job import JobSpec
 from segctl.schemas.limits import MAX_JOB_BYTES, MAX_PROBLEMS
 from segctl.schemas.sweep import load_sweep
 from segctl.schemas.yamlspec import line_of, load_yaml
+from tests.conftest import cpu_seconds
 from tests.hostile.cases import JOB, SWEEP, Case, edit, lay_out, lora_keys
 
 GOOD = "name: j\nmodel: model\ndata: {train: t.jsonl}\ntrain: {iters: 1}\n"
@@ -40,10 +40,10 @@ def seconds_to_refuse(path: Path) -> tuple[float, list[str]]:
     machine whose cores the other lanes of the suite keep busy, a niced worker's
     wall time is mostly waiting for a core (4,000 keys in 0.06 s, 40,000 in 5.0 s
     of wall time once)."""
-    tic = time.process_time()
+    tic = cpu_seconds()
     with pytest.raises(SpecError) as e:
         load_job(path)
-    return time.process_time() - tic, e.value.problems
+    return cpu_seconds() - tic, e.value.problems
 
 
 def test_forty_thousand_unknown_keys_validate_in_seconds(tmp_path):
@@ -63,10 +63,10 @@ def test_forty_thousand_unknown_keys_validate_in_seconds(tmp_path):
 def test_a_sweep_with_forty_thousand_unknown_keys_says_the_first_fifty(tmp_path):
     path = tmp_path / "sweep.yaml"
     path.write_text("name: s\nbase: nothere.yaml\n" + "".join(f"k{i:05d}: 1\n" for i in range(40_000)))
-    tic = time.perf_counter()
+    tic = cpu_seconds()
     with pytest.raises(SpecError) as e:
         load_sweep(path)
-    assert time.perf_counter() - tic < 20
+    assert cpu_seconds() - tic < 20
     first, second, *_, last = e.value.problems
     assert first.startswith(f"{path}:2: base: file not found")   # in line order
     assert second.startswith(f"{path}:3: k00000: unknown key (known: name, base, job, grid, ")
@@ -99,10 +99,10 @@ def test_a_base_job_with_thousands_of_problems_is_checked_once_not_per_trial(pro
     (project / "job.yaml").write_text(edit(job, {}))
     (project / "sweep.yaml").write_text(edit(SWEEP, {"grid": {
         "lora.rank": list(range(1, 101)), "train.seed": list(range(10))}}))
-    tic = time.perf_counter()
+    tic = cpu_seconds()
     with pytest.raises(SpecError) as e:
         load_sweep(project / "sweep.yaml")
-    assert time.perf_counter() - tic < 10
+    assert cpu_seconds() - tic < 10
     problems = e.value.problems
     assert len(problems) == MAX_PROBLEMS + 1
     assert problems[0].startswith(f"{project}/job.yaml:10: k0000: unknown key")
@@ -155,10 +155,10 @@ def test_a_sweep_within_the_bounds_expands(project):
 
 def test_trackers_given_many_times_are_refused_in_linear_time():
     job = {**JOB, "report_to": ["tensorboard"] * 1024}
-    tic = time.perf_counter()
+    tic = cpu_seconds()
     with pytest.raises(ValueError, match="tensorboard given more than once"):
         JobSpec.model_validate(job)
-    assert time.perf_counter() - tic < 2
+    assert cpu_seconds() - tic < 2
 
 
 def test_a_key_written_twice_has_the_line_of_the_first(tmp_path):
