@@ -61,7 +61,10 @@ Configurations (`--configs` picks some by name; default: all of these over
   job's `data.pack: auto` does), and on a GPU runs the rows side by side instead.
   `side`: the rows unpacked, side by side ([rows, longest] padded at their ends,
   longest first, cut where padding costs more than a pass, within --pack-length
-  tokens; on a GPU lengths padded to a multiple of 32). Then apply_grads (clip 1.0, the job default)
+  tokens; on a GPU lengths padded to a multiple of 32). `unpadded`: the same
+  groups with their rows' tokens unpadded, only attention run as the padded
+  batch (docs/engine.md, "Batches and packing"), where the model allows; auto
+  does that too where it runs rows side by side. Then apply_grads (clip 1.0, the job default)
   and one mx.eval, mx.clear_cache before each step, as engine/train.py does;
   head_chunk, attn_block and mlp_chunk at the job defaults.
   `sequences_per_step`: the sequences a step ran (packing leaves no padding).
@@ -150,11 +153,12 @@ def mix_stats(rows) -> dict:
 # ---------------------------------------------------------------- configurations
 
 def parse_config(name: str) -> dict:
-    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|auto:sS[:fused]` -> its
+    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused]` -> its
     dict; ValueError with the reason otherwise."""
     parts = name.split(":")
     bad = ValueError(f"bad configuration {name!r} (mlx-lm:bB[:ckpt] or "
-                     "segctl:bB:packed|unpacked|side|auto:sS[:fused], e.g. segctl:b4:packed:s0)")
+                     "segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused], e.g. "
+                     "segctl:b4:packed:s0)")
     if len(parts) < 2 or not parts[1].startswith("b") or not parts[1][1:].isdigit() \
             or int(parts[1][1:]) < 1:
         raise bad
@@ -163,8 +167,8 @@ def parse_config(name: str) -> dict:
         if len(parts) == 3 and parts[2] != "ckpt":
             raise bad
         return dict(name=name, impl="mlx-lm", batch=batch, grad_checkpoint=len(parts) == 3)
-    if parts[0] == "segctl" and len(parts) in (4, 5) and parts[2] in ("packed", "unpacked",
-                                                                      "side", "auto") \
+    if parts[0] == "segctl" and len(parts) in (4, 5) and parts[2] in (
+            "packed", "unpacked", "side", "unpadded", "auto") \
             and parts[3].startswith("s") and parts[3][1:].isdigit() \
             and parts[4:] in ([], ["fused"]):
         return dict(name=name, impl="segctl", batch=batch, pack=parts[2],
@@ -180,9 +184,10 @@ def default_configs(batches: list[int], segment_sizes: list[int]) -> list[str]:
     for b in batches:
         for s in segment_sizes:
             names += [f"segctl:b{b}:unpacked:s{s}", f"segctl:b{b}:packed:s{s}"]
-            names += [f"segctl:b{b}:side:s{s}"] if b > 1 else []
+            names += [f"segctl:b{b}:side:s{s}", f"segctl:b{b}:unpadded:s{s}"] if b > 1 else []
             # a GPU's job fuses its segments; a CPU's does not (the side rows compare)
-            names += [f"segctl:b{b}:side:s{s}:fused"] if b > 1 and s and on_gpu() else []
+            names += [f"segctl:b{b}:side:s{s}:fused", f"segctl:b{b}:unpadded:s{s}:fused"] \
+                if b > 1 and s and on_gpu() else []
     names += [f"segctl:b{max(batches)}:auto:s{s}" for s in segment_sizes[:1]]
     return names
 
@@ -330,19 +335,20 @@ def _segctl(model, optimizer, rows, cfg, args):
     from segctl.engine.model import model_parts
     from segctl.engine.optim import apply_grads
     from segctl.engine.settings import StepMemory
-    from segctl.engine.step import loss_and_grads, on_gpu, pack_refusal, side_refusal, supervised_tokens
+    from segctl.engine.step import loss_and_grads, on_gpu, pack_refusal, ragged_refusal, side_refusal, supervised_tokens
     from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK
 
     B = cfg["batch"]
     parts = model_parts(model, check=False)
     why = None
-    side = cfg["pack"] == "side"
+    side = cfg["pack"] in ("side", "unpadded")
     if cfg["pack"] == "auto":   # as a job's data.pack: auto (engine/train.packing)
         why = pack_refusal(parts)
         side = on_gpu() and side_refusal(parts) is None
         pack = why is None and not side
     else:
         pack = cfg["pack"] == "packed"
+    unpadded = side and cfg["pack"] != "side" and ragged_refusal(parts) is None
     fused = _fuses(cfg)
     state = [model.state, optimizer.state]
     seen = dict(sequences=[], tokens=0, padded=0)
@@ -357,7 +363,8 @@ def _segctl(model, optimizer, rows, cfg, args):
                                                        attn_block=DEFAULT_ATTN_BLOCK,
                                                        mlp_chunk=DEFAULT_MLP_CHUNK,
                                                        fused=fused),
-                                     pack=pack, side=side, pack_length=args.pack_length, micro=0,
+                                     pack=pack, side=side, ragged=unpadded,
+                                     pack_length=args.pack_length, micro=0,
                                      parts=parts, metrics=metrics)
         apply_grads(model, optimizer, grads, GRAD_CLIP)
         del grads
@@ -372,7 +379,8 @@ def _segctl(model, optimizer, rows, cfg, args):
 
     def extra():
         seqs = seen["sequences"]
-        return dict(packed=pack, side=side, pack=cfg["pack"], pack_refusal=why, fused=fused,
+        return dict(packed=pack, side=side, unpadded=unpadded, pack=cfg["pack"], pack_refusal=why,
+                    fused=fused,
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
                     sequences_per_step=round(statistics.mean(seqs), 3) if None not in seqs else None,
@@ -427,9 +435,12 @@ def _label(row: dict, lengths: bool = False) -> str:
                                                  else "")
     pack = row.get("pack")
     if pack == "auto":
-        how = ("pack auto (" + ("packed" if row.get("packed") else "side" if row.get("side")
-                                else "unpacked") + ")") \
+        how = ("pack auto (" + ("packed" if row.get("packed") else
+                                "side, unpadded" if row.get("unpadded") else
+                                "side" if row.get("side") else "unpacked") + ")") \
             if "error" not in row else "pack auto"
+    elif pack == "unpadded" and not row.get("unpadded") and "error" not in row:
+        how = "side (unpadded refused)"
     else:
         how = pack or ("packed" if row.get("packed") else "unpacked")
     seg = row.get("segment_size")

@@ -6,8 +6,9 @@ compiles its whole step.
 A compiled function replays the graph it traced: an array it did not take as an
 input stays what it was then, and every Python branch goes as it went then. So
 the segment's LoRA weights go in as inputs beside its boundary and cotangent
-(the frozen base weights, the norm and the head may stay captured), and only
-streams whose segments take nothing else fuse (`fusable`).
+(the frozen base weights, the norm and the head may stay captured), and so do
+a ragged stream's layout arrays (engine/ragged.py: which token sits where);
+only streams whose segments take nothing else fuse (`fusable`).
 
 MLX traces a compiled function again for each new input shape and keeps every
 trace until the function goes (~5 MB a shape on an 8 x 256 model), and a trace
@@ -33,7 +34,7 @@ from mlx.utils import tree_flatten
 from .layer import dropout_off, put_params
 
 Run = Callable[[mx.array], mx.array]   # layers [lo, hi) on h, as the modules hold them
-Shape = tuple[int, ...]   # a stream's [sequences, length]
+Shape = tuple[int, ...]   # a stream's [sequences, length] (plans.Stream.shape)
 MAX_SHAPES = 16           # stream shapes whose compiled functions a model keeps
 SEEN_ONCE = 4096          # shapes remembered as seen once (then forgotten, all)
 
@@ -71,12 +72,14 @@ def ready(parts, shape: Shape) -> bool:
 
 def fusable(parts, stream, masks, extras, rows: int, chunk: int) -> bool:
     """Whether the stream's segments can run compiled with the same result: the
-    model's own masks (no packed or prefix-shared layout, whose masks and RoPE
-    runs follow the rows' lengths, and no window or attention block cut into
-    calls), no per-layer inputs, no donor K/V, no pieces evaluated inside a
-    layer, and no dropout (its masks come from the random state)."""
-    return (not stream.masked and not stream.runs and not rows and not chunk
-            and all(m is None or isinstance(m, str) for m in masks)
+    model's own masks or a ragged layout (no packed or prefix-shared layout, whose
+    masks and RoPE runs follow the rows' lengths, and no window or attention block
+    cut into calls), no per-layer inputs, no donor K/V, no pieces evaluated inside
+    a layer, and no dropout (its masks come from the random state)."""
+    own = stream.ragged if stream.ragged else None
+    return ((not stream.masked or own is not None) and not stream.runs and not rows and not chunk
+            and all(m is None or isinstance(m, str) or own is not None and
+                    (m is own or getattr(m, "layout", None) is own) for m in masks)
             and all(e is None for e in extras) and all(d is None for d in parts.donors)
             and all(dropout_off(layer) for layer in parts.layers))
 
@@ -91,34 +94,38 @@ def compiled(parts, shape: Shape, key: tuple, make: Callable) -> Callable:
 
 
 def forward(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run,
-            h: mx.array) -> mx.array | None:
+            h: mx.array, layout=None) -> mx.array | None:
     """Layers [lo, hi) on h, compiled (None where the trace failed: run them
-    unfused); `key` names what else the run depends on (the layers' masks)."""
+    unfused); `key` names what else the run depends on (the layers' masks);
+    `layout`: a ragged stream's, its arrays put in as inputs."""
     names, values = _trainables(parts, lo, hi)
-    make = lambda: _with_weights(parts, names, run)
-    return _traced(parts, names, values,
-                   lambda: compiled(parts, shape, ("fwd", lo, hi, *key), make)(h, *values))
+    aux = layout.arrays() if layout else []
+    make = lambda: _with_weights(parts, names, run, layout)
+    return _traced(parts, names, values, layout, aux,
+                   lambda: compiled(parts, shape, ("fwd", lo, hi, *key), make)(h, *aux, *values))
 
 
 def vjp(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run, h: mx.array,
-        dh: mx.array):
+        dh: mx.array, layout=None):
     """(d h_in, {(layer, name): gradient}) of layers [lo, hi) at h under cotangent
     dh, the recompute and its vjp compiled (None where the trace failed)."""
     names, values = _trainables(parts, lo, hi)
+    aux = layout.arrays() if layout else []
 
     def make():
-        fn = _with_weights(parts, names, run)
-        return lambda x, d, *flat: mx.vjp(lambda y, *p: [fn(y, *p)], [x, *flat], [d])[1]
+        fn = _with_weights(parts, names, run, layout)
+        return lambda x, d, *flat: mx.vjp(lambda y, *p: [fn(y, *flat[:len(aux)], *p)],
+                                          [x, *flat[len(aux):]], [d])[1]
 
-    cots = _traced(parts, names, values,
-                   lambda: compiled(parts, shape, ("bwd", lo, hi, *key), make)(h, dh, *values))
+    cots = _traced(parts, names, values, layout, aux, lambda: compiled(
+        parts, shape, ("bwd", lo, hi, *key), make)(h, dh, *aux, *values))
     return None if cots is None else (cots[0], dict(zip(names, cots[1:])))
 
 
-def _traced(parts, names, values, call: Callable):
+def _traced(parts, names, values, layout, aux, call: Callable):
     """call(), or None where its trace met an evaluation inside (the model is then
-    fused no more); the weights put back either way (a trace leaves its tracers
-    in the modules)."""
+    fused no more); the weights and the layout's arrays put back either way (a
+    trace leaves its tracers in the modules)."""
     try:
         return call()
     except ValueError as e:   # MLX: "... eval an array during function transformations ..."
@@ -129,6 +136,8 @@ def _traced(parts, names, values, call: Callable):
         return None
     finally:
         put_params(parts.layers, names, values)
+        if layout:
+            layout.put(aux)
 
 
 def _trainables(parts, lo, hi) -> tuple[list[tuple[int, str]], list[mx.array]]:
@@ -137,9 +146,13 @@ def _trainables(parts, lo, hi) -> tuple[list[tuple[int, str]], list[mx.array]]:
     return [n for n, _ in flat], [v for _, v in flat]
 
 
-def _with_weights(parts, names, run: Run):
+def _with_weights(parts, names, run: Run, layout=None):
+    n = len(layout.arrays()) if layout else 0
+
     def fn(h, *values):
-        put_params(parts.layers, names, values)
+        if layout:
+            layout.put(values[:n])
+        put_params(parts.layers, names, values[n:])
         return run(h)
     return fn
 

@@ -26,7 +26,7 @@ def logp_and_grads(parts, h, stream: Stream, chunk: int, fused: tuple | None = N
     logps, gs = [], []
     for i in range(0, len(rows), chunk):
         if stream.contiguous:
-            hc = h[rows[0] + i:rows[0] + i + chunk]
+            hc = h[rows[0] + i:rows[0] + min(i + chunk, len(rows))]   # (not the rows after)
         else:
             hc = h[mx.array(rows[i:i + chunk])]
         if fused is not None:

@@ -68,6 +68,7 @@ class ModelParts:
     whole_rows: dict[str, str] = field(default_factory=dict)
     pack_verdict: tuple | None = None           # (why rows cannot be packed, or None): step.pack_refusal
     side_verdict: tuple | None = None           # (why rows cannot run side by side, or None): step.side_refusal
+    ragged_verdict: tuple | None = None         # (the same, unpadded, or None): step.ragged_refusal
     fused: Any = None                           # engine/fused.py's Cache: compiled functions
 
 

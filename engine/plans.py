@@ -27,6 +27,7 @@ from segctl.schemas.errors import UserError
 from . import rows as rowwise
 from .data import Example, PreferenceExample
 from .model import ModelParts
+from .ragged import TAIL_ALIGN, Ragged
 
 
 class StepError(UserError, ValueError):
@@ -54,6 +55,8 @@ class Stream:
     # another in ids (rows index that flat layout), `pad` of the tokens padding
     batch: int = 1
     pad: int = 0
+    # ragged: rows one after another, unpadded, attended as a padded batch (engine/ragged.py)
+    ragged: Ragged | None = None
     contiguous: bool = field(init=False)
 
     def __post_init__(self):
@@ -63,7 +66,18 @@ class Stream:
     @property
     def masked(self) -> bool:
         """Whether its attention is not the model's own causal mask."""
-        return self.block is not None or bool(self.units)
+        return self.block is not None or bool(self.units) or self.ragged is not None
+
+    @property
+    def span(self) -> int:
+        """Tokens one of its sequences attends over: its length, a ragged stream's width."""
+        return self.ragged.width if self.ragged else self.length
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What a compiled function of its layers depends on (engine/fused.py):
+        [sequences, length], and a ragged stream's layout."""
+        return (self.batch, self.length, *(self.ragged.shape if self.ragged else ()))
 
     @property
     def length(self) -> int:
@@ -123,7 +137,8 @@ def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = 
 
 
 def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = False,
-               side: bool = False, pack_length: int = 0, micro: int = 0, align: int = 1,
+               side: bool = False, ragged: int = 0, pack_length: int = 0, micro: int = 0,
+               align: int = 1,
                prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
                beta: float = 0.1,
                reference: Callable[[list[Stream]], mx.array] | None = None) -> list[LossPlan]:
@@ -135,7 +150,9 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
     preference row) run side by side (`side_groups`), a group at most
     `pack_length` tokens of [sequences, longest], its length rounded up to a
     multiple of `align` (a row longer runs alone, a preference row's branches one
-    after the other). The other rows run alone.
+    after the other); with `ragged` too, such a group runs unpadded (`ragged_stream`)
+    wherever it has padding and its longest is at most `ragged` tokens. The other
+    rows run alone.
     Every plan's loss is divided by the weight of the whole batch, so the plans'
     losses and gradients add up to the step's."""
     rows = [row_plan(ex, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
@@ -161,6 +178,8 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
     for layout, group in groups:
         if layout == "side" and sum(len(r.streams) for r in group) > 1:
             streams = [side_stream(group, align)]
+            if streams[0].pad and streams[0].length <= ragged:
+                streams = [ragged_stream(group, align)]
         elif layout == "packed" and len(group) > 1:
             streams = [packed_stream([r.streams[0] for r in group])]
         else:
@@ -217,18 +236,37 @@ def side_stream(group: list[RowPlan], align: int = 1) -> Stream:
     real token of its sequence, so under a causal mask no real token sees it, and
     the head reads none of it. Each row keeps its own sums (its streams' member
     columns, side by side)."""
-    streams = [(k, s) for k, r in enumerate(group) for s in r.streams]
-    L = _aligned(max(len(s.ids) for _, s in streams), align)
+    width = _aligned(max(len(s.ids) for r in group for s in r.streams), align)
+    ids, rows, targets, member = _beside(group, width)
+    return Stream(ids, rows, targets, member, batch=len(ids) // width,
+                  pad=len(ids) - sum(len(s.ids) for r in group for s in r.streams))
+
+
+def ragged_stream(group: list[RowPlan], align: int = 1) -> Stream:
+    """side_stream's rows with no padding: their tokens one after another, attended
+    as the padded batch side_stream runs (engine/ragged.py); off the CPU (`align`
+    > 1) the tokens round up to a multiple of TAIL_ALIGN x align, the extra ones
+    of no row, so that a run's shapes repeat."""
+    ids, rows, targets, member = _beside(group, 0)
+    lengths = tuple(len(s.ids) for r in group for s in r.streams)
+    tail = _aligned(len(ids), TAIL_ALIGN * align) - len(ids) if align > 1 else 0
+    return Stream(ids + [ids[-1]] * tail, rows, targets, member, pad=tail,
+                  ragged=Ragged(lengths, _aligned(max(lengths), align), tail))
+
+
+def _beside(group: list[RowPlan], width: int) -> tuple[list, list, list, mx.array]:
+    """(ids, rows, targets, member) of the group's streams one after another, each
+    padded at its end to `width` tokens (0: not padded)."""
     cols = _sum_cuts(group)
     ids: list = []
     rows, targets, members = [], [], []
-    for b, (k, s) in enumerate(streams):
-        ids += s.ids + [s.ids[-1]] * (L - len(s.ids))
-        rows += [b * L + r for r in s.rows]
-        targets += s.targets
-        members.append(mx.pad(s.member, [(0, 0), (cols[k], cols[-1] - cols[k + 1])]))
-    return Stream(ids, rows, targets, mx.concatenate(members), batch=len(streams),
-                  pad=len(ids) - sum(len(s.ids) for _, s in streams))
+    for k, r in enumerate(group):
+        for s in r.streams:
+            rows += [len(ids) + i for i in s.rows]
+            ids += s.ids + [s.ids[-1]] * (width - len(s.ids) if width else 0)
+            targets += s.targets
+            members.append(mx.pad(s.member, [(0, 0), (cols[k], cols[-1] - cols[k + 1])]))
+    return ids, rows, targets, mx.concatenate(members)
 
 
 def first_fit(items: list, size: Callable, capacity: int) -> list[list]:

@@ -30,6 +30,7 @@ and handed to the producer as extra cotangents next to dh.
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -43,14 +44,26 @@ from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
-from . import attention, head, rows
+from . import attention, head, layout, rows
 from . import fused as fusing
-from .attention import BlockMask, block_mask_sdpa, swapped_sdpa
+from .attention import block_mask_sdpa, swapped_sdpa
 from .data import PreferenceExample
 from .layer import eager, layer_vjp, put_params
 from .model import ModelParts, model_parts
 from .offload import Boundaries
-from .plans import RowPlan, StepError, Stream, has_rope, make_plan, make_plans, packed_stream, side_stream, step_report
+from .plans import (
+    RowPlan,
+    StepError,
+    Stream,
+    has_rope,
+    make_plan,
+    make_plans,
+    packed_stream,
+    ragged_stream,
+    side_stream,
+    step_report,
+)
+from .ragged import Ragged, Windowed, layers_refusal
 from .settings import StepMemory
 
 PhaseHook = Callable[[str], None]
@@ -66,7 +79,8 @@ def plan_segments(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
 def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str = "sft",
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
-                   pack: bool = False, side: bool = False, pack_length: int = 0,
+                   pack: bool = False, side: bool = False, ragged: bool = False,
+                   pack_length: int = 0,
                    micro: int = 0, align: int | None = None, parts: ModelParts | None = None,
                    on_phase: PhaseHook | None = None, metrics: dict | None = None):
     """(loss, grads) for one example or a batch (a list of them); grads keyed like
@@ -82,6 +96,9 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
     they can (`make_plans`), [rows, longest] at a time, at most `pack_length`
     tokens of that, the longest padded to a multiple of `align` (None:
     `side_align()`); it needs a model whose rows batch exactly (`side_refusal`).
+    ragged (with side): those groups run unpadded (engine/ragged.py) where their
+    rows' attention and MLPs run whole (none longer than attn_block or
+    mlp_chunk); it needs a model whose rows run so exactly (`ragged_refusal`).
     prefix_shared (ORPO, DPO): one pass over
     [prompt | chosen | rejected] instead of two; a row it cannot serve runs
     two-branch, and `metrics["prefix_shared"]` says whether every row ran
@@ -104,7 +121,12 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
     why = side_refusal(parts) if side else None
     if why:
         raise StepError(f"rows cannot run side by side exactly on this model: {why}")
-    plans = make_plans(batch, method, parts, pack=pack, side=side, pack_length=pack_length,
+    why = ragged_refusal(parts) if ragged else None
+    if why:
+        raise StepError(f"rows cannot run side by side unpadded here: {why}")
+    whole = min([n for n in (memory.attn_block, memory.mlp_chunk) if n > 0], default=sys.maxsize)
+    plans = make_plans(batch, method, parts, pack=pack, side=side, ragged=whole if ragged else 0,
+                       pack_length=pack_length,
                        micro=micro, align=side_align() if align is None else align,
                        prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
                        beta=beta,
@@ -162,10 +184,10 @@ def _nograd_sums(parts, streams, head_chunk, attn_block=0, mlp_chunk=0) -> mx.ar
     """The sums of `streams` from a forward without gradients, in the step's pieces."""
     sums: Any = 0
     for stream in streams:
-        rows = attn_block if 0 < attn_block < stream.length else 0
+        rows = attn_block if 0 < attn_block < stream.span else 0
         chunk = _pieces(mlp_chunk, stream)
-        with _positions(parts, stream):
-            h, masks, extras = _embed(parts, stream, rows)
+        with layout.positions(parts, stream):
+            h, masks, extras = layout.embed(parts, stream, rows)
             kv: dict = {}
             for i in range(len(parts.layers)):
                 with eager(parts.layers, parts.tokenwise or [], chunk):
@@ -238,6 +260,22 @@ def _side_refusal(parts: ModelParts) -> str | None:
                           "two rows side by side give other log-probs than apart")
 
 
+def ragged_refusal(parts: ModelParts) -> str | None:
+    """Why rows cannot run side by side unpadded (engine/ragged.py) on this model
+    exactly, or None when they can: the layers must take the layout
+    (`ragged.layers_refusal`), and three rows run unpadded and apart through the layers
+    without gradients must give the same log-probs. Checked once per model."""
+    if parts.ragged_verdict is None:
+        why = layers_refusal(parts)
+        rows = [[(3 * i + 5) % 23 + 1 for i in range(n)] for n in (10, 4, 7)]
+        beside = lambda streams: ragged_stream([RowPlan([s], lambda s, ref: s[0], 1)
+                                                for s in streams])
+        parts.ragged_verdict = (why or _same_as_apart(
+            parts, rows, beside, "its forward does not take rows side by side unpadded",
+            "three rows side by side unpadded give other log-probs than apart"),)
+    return parts.ragged_verdict[0]
+
+
 def _same_as_apart(parts, rows: list[list[int]], together: Callable, refused: str,
                    differs: str) -> str | None:
     """None when `rows` run as `together(their streams)` give every row's log p as
@@ -300,64 +338,6 @@ def adapter_off(model: nn.Module):
             m.dropout.train(training)
 
 
-# ---------------------------------------------------------------- positions and masks
-
-@contextmanager
-def _positions(parts, stream: Stream):
-    """Within the block, the layers run as `_embed`'s masks need: attention takes
-    `BlockMask`s, and a prefix-shared stream's ropes run run by run."""
-    holders = [m for layer in parts.layers for m in rows.ropes(layer)] if stream.runs else []
-    saved = [m["rope"] for m in holders]
-    try:
-        for m, rope in zip(holders, saved):
-            m.rope = rows.RunRope(rope.__call__, stream.runs)
-        with swapped_sdpa(parts.layers, block_mask_sdpa):
-            yield
-    finally:
-        for m, rope in zip(holders, saved):
-            m.rope = rope
-
-
-def _embed(parts, stream: Stream, rows: int = 0):
-    """(h0, per-layer masks, per-layer extra inputs) of a stream; run the layers
-    inside `_positions`. `rows` > 0: full-attention layers attend `rows` query
-    rows at a time too (the segmented step passes its attn_block)."""
-    ids = stream.array()
-    h = parts.embed(ids)
-    extras = parts.layer_inputs(ids, h)
-    return h, _masks(parts, stream, h.shape[1], parts.masks(h), rows), extras
-
-
-def _masks(parts, stream: Stream, n: int, own: list, rows: int = 0) -> list:
-    """Each layer's mask. Packed and prefix-shared streams and windows shorter
-    than the sequence take a `BlockMask`, whose attention touches only the keys a row
-    sees (a dense [n, n] array would make every layer's attention O(n^2)). A
-    full-attention layer keeps the model's own "causal", or on a row longer than
-    `rows` a BlockMask of `rows`-row blocks: where MLX's attention is not fused
-    (on CUDA at head_dim 256, say) a whole layer's [H, n, n] scores are then
-    never alive at once, in the forward recompute and in the backward's record
-    and replay passes alike. A layer that computes its attention by hand takes
-    the same masks as arrays."""
-    out = []
-    for takes, w, m in zip(parts.block_masks, parts.windows, own):
-        if stream.units:
-            bm = BlockMask(window=w, rows=None if w else rows or None, units=stream.units)
-        elif stream.block is not None:
-            bm = BlockMask(*stream.block, window=w, rows=None if w else rows or None)
-        elif w and n > w:
-            bm = BlockMask(window=w)
-        elif not w and 0 < rows < n:
-            bm = BlockMask(rows=rows)
-        else:
-            out.append(m)
-            continue
-        if takes:
-            out.append(bm)
-        else:  # the model's own array is lazy: built only where a layer reads it
-            out.append(bm.array(n) if stream.masked else m)
-    return out
-
-
 def _run(parts, lo, hi, h, masks, extras, kv_in, seed, chunk: int = 0):
     """Layers [lo, hi) on h; returns (h, {donor: (K, V)} for the donors among them).
     Layer i runs under seed+i (here and in every recompute), so LoRA dropout draws
@@ -381,6 +361,13 @@ def _run(parts, lo, hi, h, masks, extras, kv_in, seed, chunk: int = 0):
 def _layers_fn(parts, lo, hi, masks):
     """Layers [lo, hi) on h alone: what a fused segment runs (engine/fused.py)."""
     return lambda h: _run(parts, lo, hi, h, masks, [None] * len(masks), {}, None)[0]
+
+
+def _key(masks) -> tuple:
+    """What a fused segment's graph depends on in its masks: a ragged layout's
+    arrays go in as inputs, so it is only a name (and a window)."""
+    return tuple("ragged" if isinstance(m, Ragged) else ("ragged", m.window)
+                 if isinstance(m, Windowed) else m for m in masks)
 
 
 def _by_rows(parts, i, mask, h, chunk) -> bool:
@@ -410,11 +397,11 @@ def _plain(model, parts, plan, grad_checkpoint, on_phase):
     # Positions stay set through the backward too: mx.checkpoint reruns the layer
     # there. Only a single-stream (prefix-shared) plan has runs. The model's own
     # forward runs as it is.
-    shared = next((s for s in plan.streams if s.runs), plan.streams[0])
+    shared = next((s for s in plan.streams if s.runs or s.ragged), plan.streams[0])
     own = all(_own_forward(s, grad_checkpoint) for s in plan.streams)
     # The model's own forward runs as it is: off the CPU, its calls with sinks take
     # their backward from the tiles (attention.own_sinks_vjp: MLX's takes none there).
-    with (_own_sinks(parts) if own else _positions(parts, shared)):
+    with (_own_sinks(parts) if own else layout.positions(parts, shared)):
         (loss, sums), grads = nn.value_and_grad(model, loss_fn)(model)
         grads = dict(tree_flatten(grads))
         mx.eval(loss, sums, grads)
@@ -435,7 +422,7 @@ def _own_forward(stream, grad_checkpoint) -> bool:
 def _logits(model, parts, stream, grad_checkpoint):
     if _own_forward(stream, grad_checkpoint):
         return model(stream.array())
-    h, masks, extras = _embed(parts, stream)
+    h, masks, extras = layout.embed(parts, stream)
     kv: dict = {}
     for i, layer in enumerate(parts.layers):
         d = parts.donors[i]
@@ -475,6 +462,7 @@ class _Forward:
     kv: dict            # donor K/V that later segments read
     boundaries: Boundaries  # each segment's input, in memory or on disk
     fused: tuple | None = None  # its shape where its segments and head run compiled
+    layout: Any = None          # a ragged stream's (its arrays go into the compiled functions)
 
 
 def _segmented(model, parts, plan, memory, on_phase, offload_s):
@@ -497,9 +485,9 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
     with ExitStack() as scratch:  # boundaries on disk go at the end, whatever happens
         for stream, tag in zip(plan.streams, tags):
             fwd = _Forward([], [], {}, scratch.enter_context(Boundaries(memory.offload)))
-            with _positions(parts, stream):
+            with layout.positions(parts, stream):
                 top = _forward(parts, stream, segments, base_seed, phase, tag,
-                               attn_block if 0 < attn_block < stream.length else 0,
+                               attn_block if 0 < attn_block < stream.span else 0,
                                _pieces(mlp_chunk, stream), fwd, memory.fused)
             logp, g = head.logp_and_grads(parts, top, stream, head_chunk, fwd.fused)
             del top
@@ -517,8 +505,8 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
             g, heads[k] = heads[k], None  # this branch's head gradients live on only in dh
             dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
             del g
-            blocked = 0 < attn_block < stream.length
-            with _positions(parts, stream):
+            blocked = 0 < attn_block < stream.span
+            with layout.positions(parts, stream):
                 _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                           _pieces(mlp_chunk, stream), base_seed, phase, tag)
             for key, seconds in fwd.boundaries.seconds.items():
@@ -530,7 +518,7 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
 
 
 def _pieces(chunk: int, stream: Stream) -> int:
-    return chunk if 0 < chunk < stream.length else 0
+    return chunk if 0 < chunk < stream.span else 0
 
 
 def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forward,
@@ -540,16 +528,17 @@ def _forward(parts, stream, segments, seed, phase, tag, rows, chunk, fwd: _Forwa
     that is exact and the shape has come before (sets fwd.fused)."""
     # A boundary evaluated outside any transform is a graph-free leaf, so each
     # segment's activations die with it.
-    h, fwd.masks, fwd.extras = _embed(parts, stream, rows)
+    h, fwd.masks, fwd.extras = layout.embed(parts, stream, rows)
     masks, extras = fwd.masks, fwd.extras
-    shape = (stream.batch, stream.length)
+    shape, fwd.layout = stream.shape, stream.ragged
     fwd.fused = shape if fused and fusing.fusable(parts, stream, masks, extras, rows, chunk) \
         and fusing.ready(parts, shape) else None
     mx.eval(h, extras)
     for k, (lo, hi) in enumerate(segments):
         h_in = h
-        out = fusing.forward(parts, fwd.fused, tuple(masks[lo:hi]), lo, hi,
-                             _layers_fn(parts, lo, hi, masks), h_in) if fwd.fused else None
+        out = fusing.forward(parts, fwd.fused, _key(masks[lo:hi]), lo, hi,
+                             _layers_fn(parts, lo, hi, masks), h_in, fwd.layout) \
+            if fwd.fused else None
         if out is not None:
             h, produced = out, {}
         else:
@@ -599,8 +588,9 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
     for k in reversed(range(len(segments))):
         lo, hi = segments[k]
         h_in = fwd.boundaries.pop()
-        got = fusing.vjp(parts, fwd.fused, tuple(fwd.masks[lo:hi]), lo, hi,
-                         _layers_fn(parts, lo, hi, fwd.masks), h_in, dh) if fwd.fused else None
+        got = fusing.vjp(parts, fwd.fused, _key(fwd.masks[lo:hi]), lo, hi,
+                         _layers_fn(parts, lo, hi, fwd.masks), h_in, dh, fwd.layout) \
+            if fwd.fused else None
         if got is not None:
             dh, by_name = got
             _add_grads(grads, [p for i in range(lo, hi) for p in params[i]],

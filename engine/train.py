@@ -33,7 +33,7 @@ from .model import ModelError, apply_lora, load_model, model_parts
 from .optim import apply_grads, make_optimizer, schedule
 from .plans import StepError
 from .settings import StepMemory
-from .step import eval_loss, loss_and_grads, pack_refusal, side_refusal, supervised_tokens
+from .step import eval_loss, loss_and_grads, pack_refusal, ragged_refusal, side_refusal, supervised_tokens
 
 Emit = Callable[[ev.Event], None]
 GB = 1e9
@@ -116,6 +116,10 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                         attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
                         offload=scratch, grad_checkpoint=job.memory.grad_checkpoint,
                         fused=bool(seg) and step_module.on_gpu())
+    # Side by side, the rows' tokens go unpadded where that is exact: only attention
+    # then runs the padded batch (engine/ragged.py).
+    unpadded_reason = ragged_refusal(parts) if side else None
+    pack_kw["ragged"] = side and unpadded_reason is None
     n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     emit(ev.Start(time=clock(), job=job.name, mode=mode, segment_size=seg, total_steps=total,
                   resumed_from=start_step if ckpt is not None else None,
@@ -124,7 +128,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                   skipped=train_set.skipped + (valid_set.skipped if valid_set else 0),
                   trainable_params=n_trainable, batch_size=job.train.batch_size,
                   grad_accumulation=job.train.grad_accumulation, packed=pack,
-                  pack_reason=pack_reason, side_by_side=side, fused=memory.fused,
+                  pack_reason=pack_reason, side_by_side=side, unpadded=pack_kw["ragged"],
+                  unpadded_reason=unpadded_reason, fused=memory.fused,
                   rank=ring.rank if ring else None, ranks=ring.size if ring else 1,
                   whole_rows=parts.whole_rows or None))
 
@@ -149,7 +154,8 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss became {loss} at step {step}")
         # how full the step's sequences are: packed, over pack_length each; side
-        # by side, over the padded [rows, longest] batches they ran as
+        # by side, over the tokens they ran as (padded: [rows, longest]; unpadded:
+        # the rows' own, and the tail that rounds them up)
         fill = pack_length(job) if pack else "padded" if side else None
         emit(step_event(clock(), step, m, batch, mine, ring, fill,
                         lr=float(optimizer.learning_rate.item())))

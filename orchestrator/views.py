@@ -385,6 +385,8 @@ def engine_line(e: dict) -> str:
     if kind == "start":
         return (f"{when}   start: {e['train_rows']} rows, {e['mode']} segment_size "
                 f"{e['segment_size']}" + (" (fused)" if e.get("fused") else "")
+                + (", rows side by side " + ("unpadded" if e.get("unpadded") else "padded")
+                   if e.get("side_by_side") else "")
                 + f", {e['total_steps']} steps"
                 + (f", resumed at step {e['resumed_from']}" if e.get("resumed_from") else "")
                 + "".join(f"\n{when}   {cls} runs whole rows (more memory on long rows): {why}"

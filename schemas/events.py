@@ -33,7 +33,9 @@ class Start(Event):
     grad_accumulation: int = 1     # micro-batches per step
     packed: bool = False           # whether a micro-batch's rows run packed into sequences
     pack_reason: Optional[str] = None  # data.pack auto: why the rows run unpacked here
-    side_by_side: bool = False     # whether rows not packed run side by side, padded
+    side_by_side: bool = False     # whether rows not packed run side by side
+    unpadded: bool = False         # side by side: their tokens unpadded (engine/ragged.py)
+    unpadded_reason: Optional[str] = None  # side by side: why the rows run padded here
     fused: bool = False            # segments run compiled where exact (a GPU's segmented step)
     rank: Optional[int] = None     # a job on several nodes (distributed.nodes): this process's
     ranks: int = 1                 # place in the ring, and how many there are

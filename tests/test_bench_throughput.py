@@ -14,7 +14,8 @@ from bench import throughput
 TINY = ["--layers", "2", "--dim", "64", "--vocab", "512", "--rows", "8", "--median", "40",
         "--max-len", "64", "--pack-length", "128"]
 CONFIGS = ["mlx-lm:b1", "mlx-lm:b4", "segctl:b1:unpacked:s0", "segctl:b4:unpacked:s2",
-           "segctl:b4:packed:s2", "segctl:b4:auto:s0", "segctl:b4:side:s1:fused"]
+           "segctl:b4:packed:s2", "segctl:b4:auto:s0", "segctl:b4:side:s1:fused",
+           "segctl:b4:unpadded:s1"]
 
 
 def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
@@ -50,6 +51,9 @@ def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
     # asked for, fused (auto on this CPU is not); the same loss, checked above
     assert by["segctl:b4:side:s1:fused"]["fused"] is True and by["segctl:b4:auto:s0"]["fused"] is False
     assert by["mlx-lm:b4"]["processed_tokens"] > by["segctl:b4:packed:s2"]["processed_tokens"]
+    # the side-by-side groups with their rows' tokens unpadded: no padding (on a CPU, no tail)
+    assert by["segctl:b4:unpadded:s1"]["unpadded"] is True and by["segctl:b4:side:s1:fused"]["unpadded"] is False
+    assert by["segctl:b4:unpadded:s1"]["pad_efficiency"] == 1 > by["segctl:b4:side:s1:fused"]["pad_efficiency"]
 
     # the table: ratios of tokens/s against mlx-lm batch 4
     lines = err.splitlines()
@@ -60,6 +64,7 @@ def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
     assert mine.endswith(f"| {by['segctl:b4:packed:s2']['tokens_per_s'] / base:.2f}x |"), mine
     assert any(l.startswith("| segctl batch 4, pack auto (packed), plain |") for l in lines)
     assert any(l.startswith("| segctl batch 4, side, segment 1, fused |") for l in lines)
+    assert any(l.startswith("| segctl batch 4, unpadded, segment 1 |") for l in lines)
     assert "segctl's best:" in err
 
     # the same table from the saved rows

@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from segctl.engine import Example, loss_and_grads
 from segctl.engine.model import ModelError, check_length, model_parts
 from segctl.engine.settings import StepMemory
-from segctl.engine.step import pack_refusal
+from segctl.engine.step import pack_refusal, ragged_refusal, side_refusal
 from segctl.schemas.families import (
     PACKABLE_FAMILIES,
     ROWWISE_FAMILIES,
@@ -299,3 +299,30 @@ def test_family_fuses_exactly_or_runs_unfused(family, monkeypatch):
     elif parts.fused is not None and parts.fused.refused:   # a trace met an eval inside
         assert "function transformations" in parts.fused.refused, family
         assert not parts.fused.fns
+
+
+@pytest.mark.parametrize("family", families())
+def test_family_runs_rows_unpadded_exactly_or_says_why(family, monkeypatch):
+    """Rows side by side without padding (engine/ragged.py) on every family: the
+    step over three rows of other lengths, ragged, unfused and fused (the second
+    fused step compiled, its tail rounding the tokens up), equals the rows apart
+    under plain autodiff; or the engine says in one line why the family cannot."""
+    from segctl.engine import attention
+    model, parts = _trainable(family)
+    why = side_refusal(parts) or ragged_refusal(parts)   # (unpadded is a way of side by side)
+    if why is not None:
+        assert "\n" not in why, family
+        return
+    monkeypatch.setattr(attention, "own_sinks_vjp", lambda: True)
+    ids = mx.random.randint(1, _vocab(model), (11,), key=mx.random.key(0)).tolist()
+    batch = [Example(ids, 2), Example(ids[:5], 1), Example(ids[3:10], 0)]
+    loss0, ref = loss_and_grads(model, batch, memory=StepMemory(segment_size=0), parts=parts)
+    for fused, align in ((False, 1), (True, 4), (True, 4)):
+        metrics: dict = {}
+        loss, grads = loss_and_grads(model, batch, memory=StepMemory(segment_size=2, fused=fused),
+                                     side=True, ragged=True, pack_length=64, align=align,
+                                     parts=parts, metrics=metrics)
+        assert metrics["sequences"] == 1, family
+        assert abs(loss.item() - loss0.item()) <= TOL * abs(loss0.item()), (family, fused)
+        worst = _worst(grads, ref)
+        assert worst <= TOL, (family, "ragged", fused, worst)

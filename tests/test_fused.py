@@ -147,6 +147,8 @@ def test_a_job_fuses_its_segments_on_a_gpu_and_says_so(demo_dir, tmp_path, monke
     monkeypatch.setattr(step, "on_gpu", lambda: True)
     first = start_of(2)
     assert first["event"] == "start" and first["fused"] is True and first["side_by_side"] is True
+    # and its side-by-side rows run unpadded (engine/ragged.py), fused too
+    assert first["unpadded"] is True and first["unpadded_reason"] is None
     assert start_of(0)["fused"] is False
 
 

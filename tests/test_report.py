@@ -330,3 +330,11 @@ def test_the_start_line_names_the_layers_kept_whole():
     assert second.endswith("Block runs whole rows (more memory on long rows): "
                            "the row-wise probe raised X: y")
     assert "\n" not in views.engine_line(dict(e, whole_rows=None))
+
+
+def test_the_start_line_says_how_rows_run_side_by_side():
+    e = dict(event="start", time=0, train_rows=3, mode="segmented", segment_size=4, fused=True,
+             total_steps=2, side_by_side=True, unpadded=True)
+    assert views.engine_line(e).endswith(
+        "start: 3 rows, segmented segment_size 4 (fused), rows side by side unpadded, 2 steps")
+    assert "rows side by side padded," in views.engine_line(dict(e, unpadded=False))

@@ -339,8 +339,8 @@ def test_hand_written_attention_keeps_array_masks():
     # mlx-lm's gemma2 layer as it is (engine/capped.py not applied) computes its
     # scores by hand (soft-capped), so it never sees a BlockMask.
     from segctl.engine.attention import takes_block_masks
+    from segctl.engine.layout import masks as _masks
     from segctl.engine.plans import Stream
-    from segctl.engine.step import _masks
     gemma2 = importlib.import_module("mlx_lm.models.gemma2")
     layer = gemma2.TransformerBlock(gemma2.ModelArgs.from_dict(dict(
         model_type="gemma2", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
