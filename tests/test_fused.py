@@ -68,15 +68,16 @@ def test_fused_steps_are_the_unfused_steps_as_the_weights_change(tiny_models, se
     assert abs(got[2][0] - got[0][0]) > 1e-3
 
 
+def preference_rows(vocab, shapes):
+    """PreferenceExamples of (prompt, chosen, rejected) lengths, random tokens."""
+    toks = lambda n, seed: mx.random.randint(1, vocab, (n,), key=mx.random.key(seed)).tolist()
+    return [PreferenceExample(toks(p, 3 * k + 1), toks(c, 3 * k + 2), toks(r, 3 * k + 3))
+            for k, (p, c, r) in enumerate(shapes)]
+
+
 def test_a_preference_step_in_two_branches_fuses_too(tiny_models):
     model = lora_model(tiny_models["qwen3"])
-    V = model.args.vocab_size
-
-    def toks(n, seed):
-        return mx.random.randint(1, V, (n,), key=mx.random.key(seed)).tolist()
-
-    batch = [PreferenceExample(toks(7, 1), toks(5, 2), toks(6, 3)),
-             PreferenceExample(toks(12, 4), toks(3, 5), toks(8, 6))]
+    batch = preference_rows(model.args.vocab_size, [(7, 5, 6), (12, 3, 8)])
     for method in ("orpo", "dpo"):
         kw = dict(method=method, prefix_shared=False)
         want, _ = three_steps(model, batch, False, **kw)

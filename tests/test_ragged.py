@@ -7,14 +7,14 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from segctl.engine import PreferenceExample, loss_and_grads
+from segctl.engine import loss_and_grads
 from segctl.engine.model import model_parts
 from segctl.engine.plans import make_plans
 from segctl.engine.ragged import Ragged, Rope
 from segctl.engine.settings import StepMemory
 from segctl.engine.step import ragged_refusal
 from tests.test_batches import SHAPES, one_by_one, rows_of
-from tests.test_fused import assert_same, three_steps
+from tests.test_fused import assert_same, preference_rows, three_steps
 from tests.test_step import lora_model, worst_rel_error
 
 TOL = 1e-4
@@ -79,13 +79,7 @@ def test_rows_side_by_side_unpadded_are_the_rows_one_by_one(tiny_models):
 
 def test_preference_rows_run_ragged_in_two_branches(tiny_models):
     model = lora_model(tiny_models["qwen3"])
-    V = model.args.vocab_size
-
-    def toks(n, seed):
-        return mx.random.randint(1, V, (n,), key=mx.random.key(seed)).tolist()
-
-    batch = [PreferenceExample(toks(7, 1), toks(5, 2), toks(9, 3)),
-             PreferenceExample(toks(12, 4), toks(3, 5), toks(8, 6))]
+    batch = preference_rows(model.args.vocab_size, [(7, 5, 9), (12, 3, 8)])
     for method in ("orpo", "dpo"):
         loss0, ref = one_by_one(model, batch, method)
         loss, grads = loss_and_grads(model, batch, method=method, memory=StepMemory(segment_size=2),
