@@ -68,7 +68,7 @@ class Ragged:
                 scatter += [b * self.width + t for t in range(n)]
                 at += n
             scatter += [0] * self.tail
-            self._arrays = [mx.array(gather, dtype=mx.uint32), mx.array(scatter, dtype=mx.uint32)]
+            self._arrays = [mx.array(gather, dtype=mx.int32), mx.array(scatter, dtype=mx.int32)]
         return self._arrays
 
     def put(self, arrays: list) -> None:

@@ -257,13 +257,14 @@ def packing(job: JobSpec, parts) -> tuple[bool, str | None]:
     masks than its rows apart), trains unpacked under auto and is refused under
     true. A micro-batch of one row has nothing to pack: no check runs at start-up
     (the planner's `step_tokens` plans it as one row too). On a GPU, auto runs the
-    rows side by side where they can: one wide pass of padded rows beats packed
-    sequences there (bench/README's GPU rows), a CPU the other way round."""
+    rows side by side where they can (unpadded where the family allows): one wide
+    pass beats packed sequences there (bench/README's GPU rows), a CPU the other
+    way round."""
     asked = job.data.pack
     if asked is False or job.train.batch_size == 1:
         return False, None
     if asked == "auto" and step_module.on_gpu() and side_by_side(job, parts):
-        return False, ("on a GPU the rows run side by side instead: one wide pass of padded "
+        return False, ("on a GPU the rows run side by side instead: one wide pass of the "
                        "rows is faster there than packed sequences")
     why = pack_refusal(parts)
     if why is None and job.lora.dropout > 0:
