@@ -76,7 +76,7 @@ def fusable(parts, stream, masks, extras, rows: int, chunk: int) -> bool:
     masks and RoPE runs follow the rows' lengths, and no window or attention block
     cut into calls), no per-layer inputs, no donor K/V, no pieces evaluated inside
     a layer, and no dropout (its masks come from the random state)."""
-    own = stream.ragged if stream.ragged else None
+    own = stream.ragged
     return ((not stream.masked or own is not None) and not stream.runs and not rows and not chunk
             and all(m is None or isinstance(m, str) or own is not None and
                     (m is own or getattr(m, "layout", None) is own) for m in masks)

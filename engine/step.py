@@ -255,7 +255,7 @@ def side_refusal(parts: ModelParts) -> str | None:
 
 def _side_refusal(parts: ModelParts) -> str | None:
     rows = [[(5 * i + 2) % 29 + 1 for i in range(n)] for n in (9, 6)]
-    beside = lambda streams: side_stream([RowPlan([s], lambda s, ref: s[0], 1) for s in streams])
+    beside = lambda streams: side_stream(_one_row_each(streams))
     return _same_as_apart(parts, rows, beside, "its forward does not take rows side by side",
                           "two rows side by side give other log-probs than apart")
 
@@ -268,12 +268,17 @@ def ragged_refusal(parts: ModelParts) -> str | None:
     if parts.ragged_verdict is None:
         why = layers_refusal(parts)
         rows = [[(3 * i + 5) % 23 + 1 for i in range(n)] for n in (10, 4, 7)]
-        beside = lambda streams: ragged_stream([RowPlan([s], lambda s, ref: s[0], 1)
-                                                for s in streams])
+        beside = lambda streams: ragged_stream(_one_row_each(streams))
         parts.ragged_verdict = (why or _same_as_apart(
             parts, rows, beside, "its forward does not take rows side by side unpadded",
             "three rows side by side unpadded give other log-probs than apart"),)
     return parts.ragged_verdict[0]
+
+
+def _one_row_each(streams: list[Stream]) -> list[RowPlan]:
+    """Each stream a row of its own (its loss its first sum): what the side-by-side
+    layouts group, for the checks against the rows apart."""
+    return [RowPlan([s], lambda sums, ref: sums[0], 1) for s in streams]
 
 
 def _same_as_apart(parts, rows: list[list[int]], together: Callable, refused: str,
