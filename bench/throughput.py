@@ -28,6 +28,10 @@ run first, untimed, one row each (the first rows of the list), and `loss` is
 the first warm-up step's: the same weights and the same row in every
 configuration, so every row of a run shows the same loss up to float rounding.
 `last_loss` is the last timed step's (mlx-lm's batches come in its own order).
+With --passes N the timed steps run N times over the rows and tokens/s is the
+median pass's (`pass_seconds` lists them all): a pass of 32 rows on a GPU takes
+about a second (one step of batch 32), short enough for a moment's stall to move
+one pass by much.
 `peak_gb` is mx.get_peak_memory over the timed steps (reset after the warm-up);
 `load_avg` the machine's 1-minute load before and after them (a shared machine
 makes the figures noisy: compare rows of similar load).
@@ -233,22 +237,28 @@ def run_one(cfg: dict, args) -> dict:
             step(b, warmup=False, count=False)
     mx.clear_cache()
     mx.reset_peak_memory()
-    seen_rows = tokens = 0
     load = os.getloadavg()[0]
-    tic = time.perf_counter()
-    for b in timed:
-        loss, n_rows, n_tokens = step(b, warmup=False)
-        losses.append(loss)
-        seen_rows += n_rows
-        tokens += n_tokens
-    seconds = time.perf_counter() - tic
+    passes = []   # the seconds of each timed pass over the rows
+    for k in range(args.passes):
+        seen_rows = tokens = 0
+        tic = time.perf_counter()
+        for b in timed:
+            # the extras (padding, sequences) count one pass: every pass runs the same steps
+            loss, n_rows, n_tokens = step(b, warmup=False, count=k == 0)
+            losses.append(loss)
+            seen_rows += n_rows
+            tokens += n_tokens
+        passes.append(time.perf_counter() - tic)
+    # the median pass: one slow pass (a neighbour's burst on a shared machine) moves it least
+    seconds = statistics.median(passes)
     peak = mx.get_peak_memory() / 1e9
     margs = model.args
     row = dict(bench="throughput", config=cfg["name"], impl=cfg["impl"], batch=B,
                packed=None, pack=None, grad_checkpoint=cfg.get("grad_checkpoint", False),
                segment_size=cfg.get("segment_size"),
                rows_seen=seen_rows, steps=len(timed), warmup=args.warmup,
-               warm_pass=args.warm_pass,
+               warm_pass=args.warm_pass, passes=args.passes,
+               pass_seconds=[round(t, 3) for t in passes],
                supervised_tokens=tokens, seconds=round(seconds, 3),
                tokens_per_s=round(tokens / seconds, 2), peak_gb=round(peak, 4),
                loss=round(losses[0], 6), last_loss=round(losses[-1], 6),
@@ -395,7 +405,8 @@ def child_argv(args, name: str) -> list[str]:
     argv = ["--one", name, "--rows", str(args.rows), "--warmup", str(args.warmup),
             "--seed", str(args.seed), "--median", str(args.median), "--sigma", str(args.sigma),
             "--min-len", str(args.min_len), "--max-len", str(args.max_len),
-            "--pack-length", str(args.pack_length)] + (["--warm-pass"] if args.warm_pass else [])
+            "--pack-length", str(args.pack_length), "--passes", str(args.passes)] \
+        + (["--warm-pass"] if args.warm_pass else [])
     for k in SHAPE_KEYS:
         v = getattr(args, k)
         if v is not None:
@@ -461,14 +472,17 @@ def _shape(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown, one table per shape and length mix, rows in the order they came;
-    the ratio is tokens/s over mlx-lm batch 4 without grad_checkpoint's."""
+    """Markdown, one table per shape, length mix and `run` (a label a file of several
+    runs gives each run's rows: a run is one machine at one time, and only its own
+    rows compare), rows in the order they came; the ratio is tokens/s over mlx-lm
+    batch 4 without grad_checkpoint's."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         key = json.dumps([row.get(k) for k in ("arch", "layers", "dim", "dtype", "vocab",
                                                "quantize")] +
                          [(row.get("lengths") or {}).get(k) for k in
-                          ("median", "sigma", "min_len", "max_len", "seed", "rows")])
+                          ("median", "sigma", "min_len", "max_len", "seed", "rows")]
+                         + [row.get("run")])
         groups.setdefault(key, []).append(row)
     out = []
     for group in groups.values():
@@ -476,7 +490,8 @@ def table(rows: list[dict]) -> str:
                      and not r.get("grad_checkpoint") and "error" not in r), None)
         label = partial(_label, lengths=len({r.get("pack_length") for r in group
                                              if r.get("pack_length")}) > 1)
-        out += [f"{_shape(group[0])}:", "",
+        run = f" (run `{group[0]['run']}`)" if group[0].get("run") else ""
+        out += [f"{_shape(group[0])}{run}:", "",
                 "| configuration | tokens/s | peak GB | seqs/step or pad eff. | loss (step 1) "
                 "| vs mlx-lm batch 4 |", "|---|---|---|---|---|---|"]
         for row in group:
@@ -595,6 +610,9 @@ def parser() -> argparse.ArgumentParser:
                    help="before timing, one untimed pass over every batch (each shape's kernels "
                         "built and mlx-lm's compiled step traced once, as in a long run; two "
                         "where segctl fuses its segments: a shape compiles the second time)")
+    p.add_argument("--passes", type=_positive, default=1,
+                   help="timed passes over the rows; tokens/s is the median pass's (a GPU's "
+                        "pass of 32 rows takes about a second: time several)")
     p.add_argument("--one", metavar="CONFIG", help="run one configuration in this process")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
     return p

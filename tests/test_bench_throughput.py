@@ -19,7 +19,7 @@ CONFIGS = ["mlx-lm:b1", "mlx-lm:b4", "segctl:b1:unpacked:s0", "segctl:b4:unpacke
 
 
 def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
-    throughput.cli(TINY + ["--configs", ",".join(CONFIGS)])
+    throughput.cli(TINY + ["--passes", "2", "--configs", ",".join(CONFIGS)])
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["config"] for r in rows] == CONFIGS
@@ -34,6 +34,9 @@ def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
     for r in rows:
         assert r["rows_seen"] == 8 and r["supervised_tokens"] == mix["supervised"], r
         assert r["steps"] == 8 // r["batch"] and r["tokens_per_s"] > 0 and r["peak_gb"] > 0
+        # two timed passes over the rows, the median's tokens/s (of two, their mean)
+        assert r["passes"] == 2 and len(r["pass_seconds"]) == 2, r
+        assert abs(r["seconds"] - sum(r["pass_seconds"]) / 2) < 2e-3, r
         assert r["lengths"]["median"] == 40 and r["lengths"]["tokens"] == mix["tokens"]
         assert r["layers"] == args.layers == 2 and r["mlx"] and r["mlx_lm"]
 
@@ -96,6 +99,7 @@ def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     (["--configs", "segctl:b4:side:s1:fast"], "bad configuration 'segctl:b4:side:s1:fast'"),
     (["--rows", "6", "--configs", "mlx-lm:b4"], "--rows 6 is not a multiple of mlx-lm:b4's"),
     (["--shape", "llama-70b"], "argument --shape: invalid choice: 'llama-70b'"),
+    (["--passes", "0"], "argument --passes: '0': 1 or more, please"),
     (["table"], "usage: python -m bench.throughput table ROWS.jsonl"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
@@ -113,3 +117,18 @@ def test_table_refuses_a_file_of_other_rows(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == (f"bench.throughput table: {bad}, line 1: "
                                          "not a bench.throughput row")
+
+
+def test_table_compares_each_run_within_itself():
+    """Rows of two runs (two machines, or one at two times) in one file: a table
+    each, every ratio against that run's own mlx-lm batch 4."""
+    def row(run, config, tps):
+        return dict(throughput.parse_config(config), bench="throughput", config=config, run=run,
+                    tokens_per_s=tps, peak_gb=1.0, loss=1.0, layers=2, dim=64,
+                    lengths={"rows": 8})
+    rows = [row("a", "mlx-lm:b4", 100.0), row("a", "segctl:b4:side:s1", 150.0),
+            row("b", "mlx-lm:b4", 300.0), row("b", "segctl:b4:side:s1", 330.0)]
+    text = throughput.table(rows)
+    assert text.count("| configuration |") == 2 and "(run `a`)" in text and "(run `b`)" in text
+    assert [l.rsplit("|", 2)[1].strip() for l in text.splitlines()
+            if l.startswith("| segctl batch 4, side")] == ["1.50x", "1.10x"]
