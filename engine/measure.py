@@ -6,8 +6,10 @@ optimizer and a synthetic row of exactly `seq_len` tokens (random ids: memory
 and time do not depend on which tokens), then a few steps through the same
 `measured_step` a training run takes, under the same memory guard. A point the
 guard stops is a measured "does not fit", reported like any other point.
-A tune for a job that packs its batch (`pack_rows` > 1) measures a packed step
-instead: that many rows side by side in one sequence of the point's length.
+A tune for a job whose micro-batch goes together (`pack_rows` > 1) measures that
+many rows instead, the point's length in all, run as the job would run them
+here: packed into one sequence, or side by side (unpadded where the family
+allows), as engine/train decides on this device (`row_layout`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import statistics
 import mlx.core as mx
 
 from segctl.schemas import events as ev
+from segctl.schemas.job import JobSpec
 from segctl.schemas.records import ProbeSpec
 
 from .data import Example, PreferenceExample
 from .model import apply_lora, load_model, model_parts
 from .optim import make_optimizer
 from .settings import StepMemory
-from .step import on_gpu, pack_refusal
-from .train import OOMError, measured_step
+from .step import on_gpu, ragged_refusal
+from .train import OOMError, measured_step, packing, side_by_side
 
 
 def run_probes(spec: ProbeSpec, emit, clock) -> None:
@@ -41,16 +44,19 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
     method = (dict(method=spec.method, prefix_shared=spec.prefix_shared)
               if spec.method != "sft" else dict(method="sft"))
     model.train()
-    packs = spec.pack_rows > 1 and pack_refusal(parts) is None
+    layout = row_layout(spec, parts)
     for seq_len, segment_size in spec.points:
         rng = random.Random(spec.seed * 7919 + seq_len)
-        if packs:   # the rows of one packed sequence of seq_len tokens
+        if layout:   # the rows of one step, seq_len tokens in all
             k = min(spec.pack_rows, max(1, seq_len // 8))
             example = [synthetic_row(spec.method, seq_len // k + (i < seq_len % k), vocab,
                                      spec.prefix_shared, rng) for i in range(k)]
+            # room for the whole micro-batch in one sequence or one side-by-side
+            # group, a GPU's rounding of the rows' lengths included
+            pack = dict(layout, pack_length=seq_len + 32 * k)
         else:
             example = synthetic_row(spec.method, seq_len, vocab, spec.prefix_shared, rng)
-        pack = dict(pack=packs, pack_length=seq_len + 1) if packs else None
+            pack = None
         mx.random.seed(spec.seed)
         optimizer = make_optimizer(1e-5)
         peaks: dict[str, float] = {}
@@ -84,6 +90,21 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
                       phases=list(peaks.items()),
                       step_s=round(statistics.median(timed), 6) if fits and timed else None,
                       steps=len(seconds), message=message))
+
+
+def row_layout(spec: ProbeSpec, parts) -> dict:
+    """How a job of the probe's micro-batch runs its rows on this device and model
+    (engine/train.packing and side_by_side, whose job this builds): the
+    loss_and_grads keywords `pack`, `side` and `ragged`; {} for one row a step."""
+    if spec.pack_rows == 1:
+        return {}
+    job = JobSpec(model=spec.model, method=spec.method, data={"train": "-", "pack": spec.pack},
+                  train={"iters": 1, "batch_size": spec.pack_rows}, lora=spec.lora)
+    pack = packing(job, parts)[0]
+    side = side_by_side(job, parts)
+    if not pack and not side:
+        return {}
+    return dict(pack=pack, side=side, ragged=side and ragged_refusal(parts) is None)
 
 
 def synthetic_row(method: str, seq_len: int, vocab: int, prefix_shared: bool, rng: random.Random):

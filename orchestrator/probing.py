@@ -67,7 +67,9 @@ def probe_spec(c: Queued, node: NodeInfo) -> ProbeSpec:
                      # a tune filed by an older head has no mlp_chunk
                      mlp_chunk=req.get("mlp_chunk", DEFAULT_MLP_CHUNK),
                      budget_gb=node.memory_gb, points=c.points[c.done:],
-                     steps=req["steps"], pack_rows=req.get("pack_rows", 1))
+                     steps=req["steps"], pack_rows=req.get("pack_rows", 1),
+                     # a tune filed by an older head packed wherever it had rows
+                     pack=req.get("pack", "auto"))
 
 
 def ended(error: Optional[str]) -> TuneState:

@@ -74,17 +74,18 @@ def request(job: JobSpec, info: planner.ModelInfo, *, seq_lens: list[int], sizes
                 prefix_shared=job.prefix_shared, method_key=planner.method_key(job),
                 lora=job.lora.model_dump(), head_chunk=job.memory.head_chunk,
                 attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk, steps=steps,
-                pack_rows=pack_rows(job), classes=classes,
+                pack_rows=pack_rows(job), pack=job.data.pack, classes=classes,
                 seq_lens=seq_lens, sizes=sizes)
 
 
 def pack_rows(job: JobSpec) -> int:
-    """Rows a probe packs into its sequence: the job's micro-batch where it packs
-    (planner.packs; batch_size > 1), else 1 (one row of the point's length). The
-    family is left to the node: its probe checks the model it loads, and one
-    that cannot pack probes one row, as it trains."""
-    packs = planner.packs(job, packable=True)
-    return job.train.batch_size if packs and job.train.batch_size > 1 else 1
+    """Rows a probe's step holds: the job's micro-batch where its rows go together,
+    packed (planner.packs) or side by side (LoRA dropout off), else 1 (one row of
+    the point's length). Which of the two, and whether the family allows it, is
+    left to the node: its probe decides on the model it loads and the device it
+    runs, as the job's training does (engine/measure.py)."""
+    together = planner.packs(job, packable=True) or job.lora.dropout == 0
+    return job.train.batch_size if together and job.train.batch_size > 1 else 1
 
 
 def wait(get_status, on_change, poll_s: float = 0.5) -> dict:

@@ -5,7 +5,7 @@ schemas/states.py, trial states and attempt outcomes.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
@@ -105,9 +105,12 @@ class ProbeSpec(BaseModel):
     points: list[tuple[int, int]]    # (seq_len, segment_size), measured in this order
     steps: int = Field(3, ge=1, description="steps per point; the first is not timed")
     seed: int = 0
-    # > 1: each point is a step of this many rows packed into one sequence of its
-    # length (a job that packs its batch_size rows), where the model packs exactly
+    # > 1: each point is a step of this many rows, seq_len tokens in all, run as the
+    # job runs its micro-batch (engine/train.packing, side_by_side on the node's
+    # device): packed into one sequence, or side by side (unpadded where the family
+    # allows); 1: one row of seq_len tokens
     pack_rows: int = Field(1, ge=1)
+    pack: Union[bool, Literal["auto"]] = "auto"   # the job's data.pack
 
 
 class AttemptResult(BaseModel):

@@ -243,21 +243,43 @@ def test_bad_batch_settings_are_one_line_at_validate(demo_dir, tmp_path, train, 
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tune_probe_of_a_packing_job_measures_a_packed_step(tiny_models):
-    """`segctl tune --job` of a job that packs its batch has its probes run that
-    many rows packed into each point's length; a job that does not, one row."""
-    from segctl.engine.measure import run_probes
+def test_a_tune_probe_runs_the_jobs_rows_as_the_job_would_on_this_device(tiny_models,
+                                                                           monkeypatch):
+    """`segctl tune --job` of a job whose batch goes together has its probes run
+    that many rows, each point's length in all, as the job's training would on the
+    node: packed on a CPU under pack auto, side by side and unpadded on a GPU or
+    under pack false; with LoRA dropout, one row."""
+    from segctl.engine import step as step_module
+    from segctl.engine.measure import row_layout, run_probes
+    from segctl.engine.model import apply_lora, load_model, model_parts
     from segctl.orchestrator.tune import pack_rows
     from segctl.schemas.job import JobSpec
     from segctl.schemas.records import ProbeSpec
     job = dict(model="m", data={"train": "t"}, train={"iters": 1, "batch_size": 4})
     assert pack_rows(JobSpec.model_validate(job)) == 4
-    assert pack_rows(JobSpec.model_validate({**job, "data": {"train": "t", "pack": False}})) == 1
+    assert pack_rows(JobSpec.model_validate({**job, "data": {"train": "t", "pack": False}})) == 4
     assert pack_rows(JobSpec.model_validate({**job, "lora": {"dropout": 0.1}})) == 1
-    for method in ("sft", "orpo"):
+    assert pack_rows(JobSpec.model_validate({**job, "train": {"iters": 1}})) == 1
+
+    folder = str(tiny_models["qwen3"])
+    model, _ = load_model(folder)
+    apply_lora(model, rank=4, scale=10.0, dropout=0.0, num_layers=-1, keys=None)
+    parts = model_parts(model, check=False)
+    spec = ProbeSpec(model=folder, budget_gb=100.0, points=[(48, 2)], steps=2, pack_rows=4)
+    both = dict(side=True, ragged=True)   # a preference row's branches side by side
+    assert row_layout(spec, parts) == dict(pack=True, **both)
+    assert row_layout(spec.model_copy(update={"pack": False}), parts) == dict(pack=False, **both)
+    assert row_layout(spec.model_copy(update={"pack_rows": 1}), parts) == {}
+    dropout = spec.model_copy(update={"lora": spec.lora.model_copy(update={"dropout": 0.1})})
+    assert row_layout(dropout, parts) == {}
+    with monkeypatch.context() as m:
+        m.setattr(step_module, "on_gpu", lambda: True)
+        assert row_layout(spec, parts) == dict(pack=False, **both)
+
+    for method, pack in (("sft", "auto"), ("orpo", "auto"), ("sft", False)):
         seen: list = []
-        run_probes(ProbeSpec(model=str(tiny_models["qwen3"]), method=method, budget_gb=100.0,
-                             points=[(48, 2)], steps=2, pack_rows=4), seen.append, lambda: 0.0)
+        run_probes(spec.model_copy(update={"method": method, "pack": pack}), seen.append,
+                   lambda: 0.0)
         [probe] = seen
         assert probe.fits and probe.steps == 2, probe.message
         assert sum(label.startswith("bwd") for label, _ in probe.phases) == 3   # 5 layers, segments of 2

@@ -389,6 +389,11 @@ def test_each_queued_class_gets_a_free_idle_node_of_its_class():
     assert (d.tune, d.node_class, d.node) == ("tune-1", "sim/8GB", "b")   # a runs something
     assert d.spec.points == [(64, 2), (128, 1)] and d.spec.budget_gb == 8.0   # what is left
     assert [n.name for n in left] == ["a", "c"]
+    # the job's batch and pack reach the node (a request of an older head: one row, auto)
+    assert (d.spec.pack_rows, d.spec.pack) == (1, "auto")
+    c = probing.Queued("tune-1", "sim/8GB", dict(REQUEST, pack_rows=4, pack=False), [[64, 1]])
+    [d], _ = probing.assign([c], [a], {"a": a}, {})
+    assert (d.spec.pack_rows, d.spec.pack) == (4, False)
 
 
 def test_a_class_waits_for_a_busy_node_and_fails_with_none_up():
