@@ -227,7 +227,8 @@ PLANS = {
 # Plans that also measure training throughput on a length mix (bench.throughput, its
 # own configurations, a process each): its rows follow the plan's.
 THROUGHPUT = {
-    "mac": ["--shape", "qwen3-0.6b", "--warm-pass"],
+    # three timed passes, the median's tokens/s: a Mac's pass of 32 rows is short
+    "mac": ["--shape", "qwen3-0.6b", "--warm-pass", "--passes", "3"],
 }
 
 
