@@ -72,9 +72,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# The inner loop: everything but Ray fleets, the lab and the model-family walk.
+# The inner loop: everything but Ray fleets, the lab and the model-family walk
+# (one OpenBLAS thread a worker: tests/run.sh says why).
 test-fast: install
-	$(RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not fleet and not slow"
+	$(RUN) OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not fleet and not slow"
 
 clean:
 	rm -rf $(VENV) $(DEMO) .pytest_cache

@@ -22,6 +22,12 @@
 set -u
 py=$1
 shift
+# One OpenBLAS thread a process: the three runs are four processes on two cores
+# (more with Ray's), and OpenBLAS's own thread per core on top of them spent a
+# third of their system time switching (tests/test_batches.py, test_fused.py,
+# test_ragged.py and test_long.py in four workers: 75.7 s wall, 34.6 s system
+# time; one thread each, 66.2 s and 14.9 s). A run of its own (make demo) keeps both.
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 lanes=("tests/lab" "tests/test_fleet_e2e.py tests/test_asha_fleet.py")
