@@ -28,8 +28,8 @@ from .data import Example, PreferenceExample
 from .model import apply_lora, load_model, model_parts
 from .optim import make_optimizer
 from .settings import StepMemory
-from .step import on_gpu, ragged_refusal
-from .train import OOMError, measured_step, packing, side_by_side
+from .step import on_gpu
+from .train import OOMError, measured_step, packing, side_by_side, unpadding
 
 
 def run_probes(spec: ProbeSpec, emit, clock) -> None:
@@ -104,7 +104,7 @@ def row_layout(spec: ProbeSpec, parts) -> dict:
     side = side_by_side(job, parts)
     if not pack and not side:
         return {}
-    return dict(pack=pack, side=side, ragged=side and ragged_refusal(parts) is None)
+    return dict(pack=pack, side=side, ragged=unpadding(side, parts)[0])
 
 
 def synthetic_row(method: str, seq_len: int, vocab: int, prefix_shared: bool, rng: random.Random):

@@ -177,9 +177,12 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
     plans = []
     for layout, group in groups:
         if layout == "side" and sum(len(r.streams) for r in group) > 1:
-            streams = [side_stream(group, align)]
-            if streams[0].pad and streams[0].length <= ragged:
-                streams = [ragged_stream(group, align)]
+            # unpadded where the group has padding and runs whole (its width at most
+            # `ragged`): decided from the lengths, so only one of the two is built
+            lengths = [len(s.ids) for r in group for s in r.streams]
+            width = _aligned(max(lengths), align)
+            unpadded = width <= ragged and len(lengths) * width > sum(lengths)
+            streams = [(ragged_stream if unpadded else side_stream)(group, align)]
         elif layout == "packed" and len(group) > 1:
             streams = [packed_stream([r.streams[0] for r in group])]
         else:

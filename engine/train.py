@@ -116,10 +116,7 @@ def run(job: JobSpec, *, resume: bool = False, emit: Emit = lambda e: None,
                         attn_block=job.memory.attn_block, mlp_chunk=job.memory.mlp_chunk,
                         offload=scratch, grad_checkpoint=job.memory.grad_checkpoint,
                         fused=bool(seg) and step_module.on_gpu())
-    # Side by side, the rows' tokens go unpadded where that is exact: only attention
-    # then runs the padded batch (engine/ragged.py).
-    unpadded_reason = ragged_refusal(parts) if side else None
-    pack_kw["ragged"] = side and unpadded_reason is None
+    pack_kw["ragged"], unpadded_reason = unpadding(side, parts)
     n_trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     emit(ev.Start(time=clock(), job=job.name, mode=mode, segment_size=seg, total_steps=total,
                   resumed_from=start_step if ckpt is not None else None,
@@ -285,6 +282,14 @@ def side_by_side(job: JobSpec, parts) -> bool:
     exactly (`side_refusal`) and LoRA dropout is off (a batch draws other masks
     than its rows apart); else they run one after the other."""
     return job.train.batch_size > 1 and job.lora.dropout == 0 and side_refusal(parts) is None
+
+
+def unpadding(side: bool, parts) -> tuple[bool, str | None]:
+    """(whether rows side by side go unpadded, why not where they run side by side):
+    where that is exact (`ragged_refusal`), only attention then runs the padded
+    batch (engine/ragged.py)."""
+    why = ragged_refusal(parts) if side else None
+    return side and why is None, why
 
 
 def pack_length(job: JobSpec) -> int:
