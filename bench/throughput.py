@@ -74,7 +74,9 @@ Configurations (`--configs` picks some by name; default: all of these over
   `sequences_per_step`: the sequences a step ran (packing leaves no padding).
   `:fused` (e.g. `segctl:b32:side:s4:fused`): the segments run compiled where
   that is exact (docs/engine.md, "Fused segments"), as a job does on a GPU;
-  `auto` fuses on a GPU too. Rows carry `fused`.
+  `auto` fuses on a GPU too. Rows carry `fused`. `:kK` (e.g.
+  `segctl:b32:unpadded:s2:fused:k14`): the top K layers are kept, not
+  recomputed (docs/engine.md, "Kept layers"); rows carry `keep`.
 
 The optimizer is AdamW lr 1e-5 (engine/optim.make_optimizer) for both. Each
 configuration prints one JSON row on stdout as it lands (a failing one prints
@@ -157,11 +159,11 @@ def mix_stats(rows) -> dict:
 # ---------------------------------------------------------------- configurations
 
 def parse_config(name: str) -> dict:
-    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused]` -> its
-    dict; ValueError with the reason otherwise."""
+    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK]` ->
+    its dict; ValueError with the reason otherwise."""
     parts = name.split(":")
     bad = ValueError(f"bad configuration {name!r} (mlx-lm:bB[:ckpt] or "
-                     "segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused], e.g. "
+                     "segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK], e.g. "
                      "segctl:b4:packed:s0)")
     if len(parts) < 2 or not parts[1].startswith("b") or not parts[1][1:].isdigit() \
             or int(parts[1][1:]) < 1:
@@ -171,12 +173,17 @@ def parse_config(name: str) -> dict:
         if len(parts) == 3 and parts[2] != "ckpt":
             raise bad
         return dict(name=name, impl="mlx-lm", batch=batch, grad_checkpoint=len(parts) == 3)
-    if parts[0] == "segctl" and len(parts) in (4, 5) and parts[2] in (
+    options = parts[4:]
+    keep = [o for o in options if o[:1] == "k" and o[1:].isdigit() and int(o[1:]) > 0]
+    if parts[0] == "segctl" and len(parts) >= 4 and parts[2] in (
             "packed", "unpacked", "side", "unpadded", "auto") \
             and parts[3].startswith("s") and parts[3][1:].isdigit() \
-            and parts[4:] in ([], ["fused"]):
+            and len(options) == len(set(options)) \
+            and all(o == "fused" or o in keep for o in options) and len(keep) <= 1 \
+            and not (keep and parts[3] == "s0"):
         return dict(name=name, impl="segctl", batch=batch, pack=parts[2],
-                    segment_size=int(parts[3][1:]), fused=len(parts) == 5)
+                    segment_size=int(parts[3][1:]), fused="fused" in options,
+                    keep=int(keep[0][1:]) if keep else 0)
     raise bad
 
 
@@ -372,7 +379,7 @@ def _segctl(model, optimizer, rows, cfg, args):
                                                        head_chunk=DEFAULT_HEAD_CHUNK,
                                                        attn_block=DEFAULT_ATTN_BLOCK,
                                                        mlp_chunk=DEFAULT_MLP_CHUNK,
-                                                       fused=fused),
+                                                       fused=fused, keep=cfg["keep"]),
                                      pack=pack, side=side, ragged=unpadded,
                                      pack_length=args.pack_length, micro=0,
                                      parts=parts, metrics=metrics)
@@ -390,7 +397,7 @@ def _segctl(model, optimizer, rows, cfg, args):
     def extra():
         seqs = seen["sequences"]
         return dict(packed=pack, side=side, unpadded=unpadded, pack=cfg["pack"], pack_refusal=why,
-                    fused=fused,
+                    fused=fused, keep=cfg["keep"],
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
                     sequences_per_step=round(statistics.mean(seqs), 3) if None not in seqs else None,
@@ -416,7 +423,7 @@ def child_argv(args, name: str) -> list[str]:
 
 def main(args) -> list[dict]:
     rows = []
-    for name in args.configs:
+    for turn, name in ((r, name) for r in range(1, args.rounds + 1) for name in args.configs):
         tic = time.time()
         # `-m` from the repository root: this tree's bench and engine run
         proc = subprocess.run([sys.executable, "-m", "bench.throughput", *child_argv(args, name)],
@@ -431,6 +438,8 @@ def main(args) -> list[dict]:
                        lengths=length_mix(args))
             row.pop("name", None)
         row["wall_s"] = round(time.time() - tic, 1)
+        if args.rounds > 1:
+            row["round"] = turn
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -457,6 +466,7 @@ def _label(row: dict, lengths: bool = False) -> str:
     seg = row.get("segment_size")
     return f"segctl batch {row['batch']}, {how}, " + ("plain" if not seg else f"segment {seg}") \
         + (", fused" if row.get("fused") else "") \
+        + (f", top {row['keep']} kept" if row.get("keep") else "") \
         + (f", at most {row['pack_length']} tokens a pass"
            if lengths and row.get("pack_length") else "")
 
@@ -472,9 +482,9 @@ def _shape(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown, one table per shape, length mix and `run` (a label a file of several
+    """Markdown, one table per shape, length mix, `run` (a label a file of several
     runs gives each run's rows: a run is one machine at one time, and only its own
-    rows compare), rows in the order they came; the ratio is tokens/s over mlx-lm
+    rows compare) and `round` (--rounds), rows in the order they came; the ratio is tokens/s over mlx-lm
     batch 4 without grad_checkpoint's."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
@@ -482,7 +492,7 @@ def table(rows: list[dict]) -> str:
                                                "quantize")] +
                          [(row.get("lengths") or {}).get(k) for k in
                           ("median", "sigma", "min_len", "max_len", "seed", "rows")]
-                         + [row.get("run")])
+                         + [row.get("run"), row.get("round")])
         groups.setdefault(key, []).append(row)
     out = []
     for group in groups.values():
@@ -490,7 +500,9 @@ def table(rows: list[dict]) -> str:
                      and not r.get("grad_checkpoint") and "error" not in r), None)
         label = partial(_label, lengths=len({r.get("pack_length") for r in group
                                              if r.get("pack_length")}) > 1)
-        run = f" (run `{group[0]['run']}`)" if group[0].get("run") else ""
+        run = ", ".join(([f"run `{group[0]['run']}`"] if group[0].get("run") else [])
+                        + ([f"round {group[0]['round']}"] if group[0].get("round") else []))
+        run = f" ({run})" if run else ""
         out += [f"{_shape(group[0])}{run}:", "",
                 "| configuration | tokens/s | peak GB | seqs/step or pad eff. | loss (step 1) "
                 "| vs mlx-lm batch 4 |", "|---|---|---|---|---|---|"]
@@ -613,6 +625,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=_positive, default=1,
                    help="timed passes over the rows; tokens/s is the median pass's (a GPU's "
                         "pass of 32 rows takes about a second: time several)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="run the configurations in order this many times, each in a process of "
+                        "its own (rows carry `round`; the table compares each round within "
+                        "itself): on a GPU machine a process's speed may depend on what ran "
+                        "before it, which a second round shows")
     p.add_argument("--one", metavar="CONFIG", help="run one configuration in this process")
     p.add_argument("--cpu", action="store_true", help="force the CPU device")
     return p

@@ -8,19 +8,24 @@ from __future__ import annotations
 from functools import partial
 
 import mlx.core as mx
+import numpy as np
 
 from . import fused as fused_fns
 from .model import ModelParts
 from .plans import Stream
 
 
-def logp_and_grads(parts, h, stream: Stream, chunk: int, fused: tuple | None = None):
+def logp_and_grads(parts, h, stream: Stream, chunk: int, fused: tuple | None = None,
+                   detach: bool = False):
     """(log p [M], d log p / dh [M, D]) of the stream's read rows, `chunk` rows at a
     time: each chunk's norm -> lm_head -> log-softmax -> target log p runs under its
     own vjp and is evaluated before the next starts, so [chunk, V] logits (and their
     cotangent) exist for one chunk at a time. One graph over all chunks is not
     enough: a GPU queue allocates every chunk's logits before the first is freed.
-    `fused` (the stream's shape): each chunk's vjp runs compiled."""
+    `fused` (the stream's shape): each chunk's vjp runs compiled. `detach`
+    (called inside another vjp, as a kept top's head is): each chunk's results
+    are copied out of their graph (`detached`), which would else hold the
+    chunk's logits to the end of that vjp."""
     rows, targets = stream.rows, mx.array(stream.targets, dtype=mx.int32)
     h = h.reshape(-1, h.shape[-1])   # side by side, rows index the sequences one after another
     logps, gs = [], []
@@ -35,9 +40,22 @@ def logp_and_grads(parts, h, stream: Stream, chunk: int, fused: tuple | None = N
         else:
             lp, g = _chunk_vjp(parts, hc, targets[i:i + chunk])
         mx.eval(lp, g)
+        if detach:
+            lp, g = detached(lp), detached(g)
         logps.append(lp)
         gs.append(g)
     return mx.concatenate(logps), mx.concatenate(gs)
+
+
+def detached(a: mx.array) -> mx.array:
+    """An evaluated copy of `a` that holds no graph. Under a gradient transform
+    MLX keeps the graph of every array it evaluates (any of them may be
+    differentiated later), and each op's result holds its inputs, so only a
+    copy made from the bytes is free of it: one trip through host memory, the
+    size of `a`."""
+    if a.dtype == mx.bfloat16:   # (numpy has no bfloat16: its bits go as uint16)
+        return mx.array(np.array(a.view(mx.uint16))).view(mx.bfloat16)
+    return mx.array(np.array(a))
 
 
 def logp(parts, h, stream: Stream, chunk: int) -> mx.array:

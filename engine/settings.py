@@ -20,7 +20,11 @@ class StepMemory:
     (plain only): every layer recomputed under mx.checkpoint, as mlx-lm does.
     fused (segmented only): a segment's forward, its backward and the head's
     chunks run as `mx.compile`d functions where that is exact (engine/step.py,
-    `fused.fusable`), as mlx-lm compiles its step."""
+    `fused.fusable`), as mlx-lm compiles its step. keep (segmented only): the
+    top `keep` layers are kept, not recomputed: their forward runs once, the
+    head runs on its output, and their backward follows in the same vjp, so
+    their activations are held through the head (engine/step.py, `_kept`).
+    Memory for speed: a kept layer's forward is not computed twice."""
     segment_size: int
     head_chunk: int = DEFAULT_HEAD_CHUNK
     attn_block: int = 0
@@ -28,3 +32,4 @@ class StepMemory:
     offload: str | None = None
     grad_checkpoint: bool = False
     fused: bool = False
+    keep: int = 0

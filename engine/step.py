@@ -1,13 +1,14 @@
 """One training step's loss and LoRA gradients, for SFT, ORPO and DPO, three ways.
 
-- plain (`segment_size=0`): autodiff through the whole forward; the reference.
+- plain (`segment_size=0`): autodiff through the whole forward; the reference
+  (engine/plain.py).
 - grad_checkpoint: the same loss with every layer recomputed under `mx.checkpoint`
-  in the backward, as mlx-lm's `--grad-checkpoint` does, but wrapped per call
-  instead of patching the layer class for the whole process.
+  in the backward, as mlx-lm's `--grad-checkpoint` does (engine/plain.py).
 - segmented (`segment_size=N`): docs/engine.md. The forward keeps only the
   segment boundaries; a token-chunked head gives the loss and d(loss)/d(last
   boundary); the backward recomputes each segment under `mx.vjp` in reverse. Peak
-  memory follows one segment instead of the whole stack.
+  memory follows one segment instead of the whole stack. `keep` top layers may
+  run once instead, their activations held through the head (`_kept`).
 
 What a step computes, its rows as streams and loss plans, is engine/plans.py:
 each loss is a small function of a few sums of per-position log-probs. The segmented head
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -46,11 +47,11 @@ from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
 from . import attention, head, layout, rows
 from . import fused as fusing
-from .attention import block_mask_sdpa, swapped_sdpa
 from .data import PreferenceExample
 from .layer import eager, layer_vjp, put_params
 from .model import ModelParts, model_parts
 from .offload import Boundaries
+from .plain import plain_step
 from .plans import (
     RowPlan,
     StepError,
@@ -137,7 +138,7 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
     offload_s: dict = {}
     for plan in plans:
         if memory.segment_size == 0:
-            part, got, sums = _plain(model, parts, plan, memory.grad_checkpoint, on_phase)
+            part, got, sums = plain_step(model, parts, plan, memory.grad_checkpoint, on_phase)
         else:
             part, got, sums = _segmented(model, parts, plan, memory, on_phase, offload_s)
         # Accumulated and evaluated plan by plan: one more set of LoRA gradients
@@ -386,78 +387,6 @@ def _caller(parts, i):
     return lambda h, mask: parts.call(i, h, mask)[0]
 
 
-# ---------------------------------------------------------------- plain / checkpoint
-
-def _plain(model, parts, plan, grad_checkpoint, on_phase):
-    def loss_fn(m):
-        sums = 0
-        for stream in plan.streams:
-            logits = _logits(m, parts, stream, grad_checkpoint)
-            lg = logits.reshape(-1, logits.shape[-1])[mx.array(stream.rows)].astype(mx.float32)
-            tg = mx.array(stream.targets)[:, None]
-            logp = mx.take_along_axis(lg, tg, axis=-1)[:, 0] - mx.logsumexp(lg, axis=-1)
-            sums = sums + stream.member.T @ logp
-        return plan.loss(sums), sums
-
-    # Positions stay set through the backward too: mx.checkpoint reruns the layer
-    # there. Only a single-stream (prefix-shared) plan has runs. The model's own
-    # forward runs as it is.
-    shared = next((s for s in plan.streams if s.runs or s.ragged), plan.streams[0])
-    own = all(_own_forward(s, grad_checkpoint) for s in plan.streams)
-    # The model's own forward runs as it is: off the CPU, its calls with sinks take
-    # their backward from the tiles (attention.own_sinks_vjp: MLX's takes none there).
-    with (_own_sinks(parts) if own else layout.positions(parts, shared)):
-        (loss, sums), grads = nn.value_and_grad(model, loss_fn)(model)
-        grads = dict(tree_flatten(grads))
-        mx.eval(loss, sums, grads)
-    if on_phase:
-        on_phase("step")
-    return loss, grads, sums
-
-
-def _own_sinks(parts):
-    return swapped_sdpa(parts.layers, block_mask_sdpa) if attention.own_sinks_vjp() \
-        else nullcontext()
-
-
-def _own_forward(stream, grad_checkpoint) -> bool:
-    return not grad_checkpoint and not stream.masked
-
-
-def _logits(model, parts, stream, grad_checkpoint):
-    if _own_forward(stream, grad_checkpoint):
-        return model(stream.array())
-    h, masks, extras = layout.embed(parts, stream)
-    kv: dict = {}
-    for i, layer in enumerate(parts.layers):
-        d = parts.donors[i]
-        shared = kv[d] if d is not None else None
-        if grad_checkpoint:
-            h, out = _checkpointed(parts, i, masks[i], extras[i], shared is not None)(
-                layer.trainable_parameters(), h, *(shared or ()))
-        else:
-            h, out = parts.call(i, h, masks[i], extras[i], shared)
-        kv[i] = out
-    return parts.head(parts.norm(h))
-
-
-def _checkpointed(parts, i, mask, extra, has_shared):
-    # The layer's trainable parameters go in as explicit inputs so the
-    # checkpoint differentiates them; nothing is patched on the class.
-    layer = parts.layers[i]
-
-    def run(params, h, *shared):
-        layer.update(params)
-        h, out = parts.call(i, h, mask, extra, tuple(shared) if has_shared else None)
-        return [h, *(out or ())]
-    ckpt = mx.checkpoint(run)
-
-    def call(params, h, *shared):
-        h, *out = ckpt(params, h, *shared)
-        return h, (tuple(out) or None)
-    return call
-
-
 # ---------------------------------------------------------------- segmented
 
 @dataclass
@@ -476,24 +405,45 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
     phase = on_phase or (lambda label: None)
     head_chunk, attn_block, mlp_chunk = memory.head_chunk, memory.attn_block, memory.mlp_chunk
     layers = parts.layers
-    segments = plan_segments(len(layers), memory.segment_size)
+    keep = _kept_layers(parts, plan, memory)
+    segments = plan_segments(len(layers) - keep, memory.segment_size) if keep < len(layers) else []
     names = _trainable_names(model)
     params = [_layer_params(layer, i, parts.prefix) for i, layer in enumerate(layers)]
     _check_all_trainables_in_layers(names, params)
     base_seed = mx.random.randint(0, 2**30, shape=()).item()
     tags = ["", "rejected."] if len(plan.streams) == 2 else [""]
 
-    # Forward every stream, keeping only boundaries (and cross-segment donor K/V),
-    # then the head: each read row's log p and d(log p)/dh, chunk by chunk.
-    forwards, heads = [], []
-    sums = 0
+    def forward(stream, tag, scratch):
+        fwd = _Forward([], [], {}, scratch.enter_context(Boundaries(memory.offload)))
+        top = _forward(parts, stream, segments, base_seed, phase, tag,
+                       attn_block if 0 < attn_block < stream.span else 0,
+                       _pieces(mlp_chunk, stream), fwd, memory.fused)
+        return fwd, top
+
     with ExitStack() as scratch:  # boundaries on disk go at the end, whatever happens
-        for stream, tag in zip(plan.streams, tags):
-            fwd = _Forward([], [], {}, scratch.enter_context(Boundaries(memory.offload)))
+        if keep:
+            # One stream, its loss known once its head has run: the kept layers'
+            # forward, head and backward in one vjp, then the segments below.
+            stream = plan.streams[0]
             with layout.positions(parts, stream):
-                top = _forward(parts, stream, segments, base_seed, phase, tag,
-                               attn_block if 0 < attn_block < stream.span else 0,
-                               _pieces(mlp_chunk, stream), fwd, memory.fused)
+                fwd, top = forward(stream, "", scratch)
+                loss, sums, dh, grads, dkv = _kept(parts, plan, fwd, params, len(layers) - keep,
+                                                   top, base_seed, head_chunk, phase,
+                                                   f"bwd{len(segments)}")
+                del top
+                _backward(parts, fwd, segments, params, dh, grads, 0, 0, base_seed, phase, "",
+                          dkv)
+            _done(fwd, offload_s)
+            mx.random.seed(base_seed + len(layers))
+            return loss, {n: grads[n] for n in names}, sums
+
+        # Forward every stream, keeping only boundaries (and cross-segment donor
+        # K/V), then the head: each read row's log p and d(log p)/dh, chunk by chunk.
+        forwards, heads = [], []
+        sums = 0
+        for stream, tag in zip(plan.streams, tags):
+            with layout.positions(parts, stream):
+                fwd, top = forward(stream, tag, scratch)
             logp, g = head.logp_and_grads(parts, top, stream, head_chunk, fwd.fused)
             del top
             phase(f"{tag}head")
@@ -514,12 +464,17 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
             with layout.positions(parts, stream):
                 _backward(parts, fwd, segments, params, dh, grads, attn_block if blocked else 0,
                           _pieces(mlp_chunk, stream), base_seed, phase, tag)
-            for key, seconds in fwd.boundaries.seconds.items():
-                offload_s[key] = offload_s.get(key, 0.0) + seconds
-            fwd.boundaries.close()
+            _done(fwd, offload_s)
             forwards[k] = fwd = None  # its donor K/V go before the next branch's backward
     mx.random.seed(base_seed + len(layers))
     return loss, {n: grads[n] for n in names}, sums
+
+
+def _done(fwd: _Forward, offload_s: dict):
+    """A stream's boundaries are done with: their seconds on disk gathered."""
+    for key, seconds in fwd.boundaries.seconds.items():
+        offload_s[key] = offload_s.get(key, 0.0) + seconds
+    fwd.boundaries.close()
 
 
 def _pieces(chunk: int, stream: Stream) -> int:
@@ -587,9 +542,53 @@ def _place(stream: Stream, rows_grad: mx.array) -> mx.array:
     return flat.reshape(stream.batch, stream.length, D)
 
 
-def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase, tag):
-    """Recompute each segment under vjp with the incoming cotangents, last first."""
-    dkv: dict = {}  # donor -> (dK, dV) summed over the sharers seen so far
+def _kept_layers(parts, plan, memory) -> int:
+    """How many top layers this plan keeps (memory.keep): only a plan of one
+    stream (two branches need both heads before either's gradient is known)
+    whose layers run whole (attention in blocks and MLPs in chunks hold one
+    piece at a time; a kept layer holds all of its activations)."""
+    if len(plan.streams) != 1 or not memory.keep:
+        return 0
+    span = plan.streams[0].span
+    if 0 < memory.attn_block < span or 0 < memory.mlp_chunk < span:
+        return 0
+    return min(memory.keep, len(parts.layers))
+
+
+def _kept(parts, plan, fwd, params, lo, h_in, seed, head_chunk, phase, label):
+    """The kept top layers [lo, N) of a one-stream plan, on their input h_in:
+    (loss, sums, dh at lo, their gradients, donor K/V cotangents for below).
+    Their forward runs inside the vjp and is evaluated there, so its graph (the
+    activations) stays for the backward; the head runs on a copy of its output,
+    the loss's gradient gives d(loss)/d(output), and the vjp's output is the
+    dot product of the output with that constant, whose gradient it is exactly.
+    The head's results leave the vjp as copies (head.detached)."""
+    stream, out = plan.streams[0], {}
+
+    def head_of(h):
+        logp, g = head.logp_and_grads(parts, head.detached(h), stream, head_chunk, detach=True)
+        sums = stream.member.T @ logp
+        loss, w = mx.value_and_grad(plan.loss)(sums)
+        dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
+        mx.eval(loss, sums, dh)
+        out.update(loss=head.detached(loss), sums=head.detached(sums))
+        phase("head")
+        return head.detached(dh)
+
+    grads: dict = {}
+    dkv: dict = {}
+    dh = _unit_vjp(parts, fwd, lo, len(parts.layers), h_in, fwd.kv, None, dkv, params, grads,
+                   seed, 0, 0, head_of)
+    mx.eval(dh, dkv, grads)
+    phase(label)
+    return out["loss"], out["sums"], dh, grads, dkv
+
+
+def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase, tag,
+              dkv: dict | None = None):
+    """Recompute each segment under vjp with the incoming cotangents, last first
+    (`dkv`: donor K/V cotangents from kept layers above them)."""
+    dkv = {} if dkv is None else dkv  # donor -> (dK, dV) summed over the sharers seen so far
     for k in reversed(range(len(segments))):
         lo, hi = segments[k]
         h_in = fwd.boundaries.pop()
@@ -628,9 +627,12 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
         phase(f"{tag}bwd{k}")
 
 
-def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block, chunk):
+def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block, chunk,
+              head_of: Callable | None = None):
     """vjp of layers [lo, hi): inputs h and the donor K/V they import, outputs h and
-    the K/V of their donors that later layers read (cotangents waiting in dkv)."""
+    the K/V of their donors that later layers read (cotangents waiting in dkv).
+    `head_of` (kept top layers, `_kept`): dh is not given but made from the
+    evaluated output by head_of, inside the vjp."""
     imports, exports = _imports(parts, lo, hi), [d for d in range(lo, hi) if d in dkv]
     seg = [p for i in range(lo, hi) for p in params[i]]
     values = [v for _, _, _, v in seg]
@@ -640,7 +642,10 @@ def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block,
         kv_in = {d: (flat[2 * a], flat[2 * a + 1]) for a, d in enumerate(imports)}
         _set_params(parts.layers, seg, flat[n_in:])
         h, produced = _run(parts, lo, hi, x, fwd.masks, fwd.extras, kv_in, seed)
-        return [h, *[t for d in exports for t in produced[d]]]
+        if head_of is None:
+            return [h, *[t for d in exports for t in produced[d]]]
+        mx.eval(h)   # the forward, once: under the vjp its graph stays for the backward
+        return [(h * head_of(h)).sum()]
 
     if hi == lo + 1 and not imports and not exports and \
             _by_rows(parts, lo, fwd.masks[lo], h_in, chunk):
@@ -651,7 +656,8 @@ def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block,
         _add_grads(grads, seg, dps)
         return dx
     primals = [h_in, *[t for d in imports for t in kv[d]], *values]
-    cotangents = [dh, *[t for d in exports for t in dkv.pop(d)]]
+    cotangents = [dh, *[t for d in exports for t in dkv.pop(d)]] if head_of is None \
+        else [mx.array(1, h_in.dtype)]
     if block or chunk:
         cots = layer_vjp(parts.layers[lo], parts.tokenwise[lo] if parts.tokenwise else [],
                          fn, primals, cotangents, block, chunk)

@@ -78,6 +78,26 @@ def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
     assert throughput.table(rows).strip() in err
 
 
+def test_rounds_run_each_configuration_again_and_kept_layers_agree(capsys):
+    """--rounds 2: the list twice, each round's rows compared within it; `:k2`
+    (the top two layers kept) trains the same rows to the same first loss."""
+    configs = ["mlx-lm:b4", "segctl:b4:unpacked:s1:k2"]
+    throughput.cli(TINY + ["--rounds", "2", "--configs", ",".join(configs)])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["config"], r["round"]) for r in rows] == [(c, k) for k in (1, 2) for c in configs]
+    assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
+    kept = [r for r in rows if r["impl"] == "segctl"]
+    assert all(r["keep"] == 2 for r in kept)
+    assert all(abs(r["loss"] - rows[0]["loss"]) <= 1e-3 * abs(rows[0]["loss"]) for r in kept)
+    for k in (1, 2):
+        assert f"(round {k}):" in err
+    lines = [l for l in err.splitlines() if l.startswith("| segctl batch 4, unpacked, segment 1, "
+                                                         "top 2 kept |")]
+    assert [l.split("|")[-2].strip() for l in lines] == [
+        f"{kept[k]['tokens_per_s'] / rows[2 * k]['tokens_per_s']:.2f}x" for k in (0, 1)]
+
+
 def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     """Why the benchmark hands mlx-lm [prompt_len, len - 1]: iterate_batches' own
     [offset, len] makes default_loss also read the padding after each row."""
@@ -100,6 +120,10 @@ def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     (["--rows", "6", "--configs", "mlx-lm:b4"], "--rows 6 is not a multiple of mlx-lm:b4's"),
     (["--shape", "llama-70b"], "argument --shape: invalid choice: 'llama-70b'"),
     (["--passes", "0"], "argument --passes: '0': 1 or more, please"),
+    (["--rounds", "0"], "argument --rounds: '0': 1 or more, please"),
+    (["--configs", "segctl:b4:side:s0:k1"], "bad configuration 'segctl:b4:side:s0:k1'"),
+    (["--configs", "segctl:b4:side:s1:k0"], "bad configuration 'segctl:b4:side:s1:k0'"),
+    (["--configs", "segctl:b4:side:s1:k1:k2"], "bad configuration 'segctl:b4:side:s1:k1:k2'"),
     (["table"], "usage: python -m bench.throughput table ROWS.jsonl"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
