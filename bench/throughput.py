@@ -74,7 +74,9 @@ Configurations (`--configs` picks some by name; default: all of these over
   `sequences_per_step`: the sequences a step ran (packing leaves no padding).
   `:fused` (e.g. `segctl:b32:side:s4:fused`): the segments run compiled where
   that is exact (docs/engine.md, "Fused segments"), as a job does on a GPU;
-  `auto` fuses on a GPU too. Rows carry `fused`. `:kK` (e.g.
+  `auto` fuses on a GPU too. Rows carry `fused`, and `phase_seconds`: the
+  first timed pass's seconds by phase (fwd, head, bwd, update: the optimizer
+  step and what follows the backward). `:kK` (e.g.
   `segctl:b32:unpadded:s2:fused:k14`): the top K layers are kept, not
   recomputed (docs/engine.md, "Kept layers"); rows carry `keep`.
 
@@ -368,11 +370,12 @@ def _segctl(model, optimizer, rows, cfg, args):
     unpadded = side and cfg["pack"] != "side" and ragged_refusal(parts) is None
     fused = _fuses(cfg)
     state = [model.state, optimizer.state]
-    seen = dict(sequences=[], tokens=0, padded=0)
+    seen: dict = dict(sequences=[], tokens=0, padded=0, phases={})
 
     def step(batch, warmup, count=True):
         examples = [Example(ids, prompt_len) for ids, prompt_len in batch]
         metrics: dict = {}
+        marks = [("", time.perf_counter())]
         mx.clear_cache()
         loss, grads = loss_and_grads(model, examples, method="sft",
                                      memory=StepMemory(segment_size=cfg["segment_size"],
@@ -382,11 +385,15 @@ def _segctl(model, optimizer, rows, cfg, args):
                                                        fused=fused, keep=cfg["keep"]),
                                      pack=pack, side=side, ragged=unpadded,
                                      pack_length=args.pack_length, micro=0,
-                                     parts=parts, metrics=metrics)
+                                     parts=parts, metrics=metrics,
+                                     on_phase=lambda label: marks.append((label,
+                                                                          time.perf_counter())))
         apply_grads(model, optimizer, grads, GRAD_CLIP)
         del grads
         mx.eval(state, loss)
+        marks.append(("update", time.perf_counter()))
         if not warmup and count:
+            _phase_seconds(marks, seen["phases"])
             seen["sequences"].append(metrics.get("sequences"))
             seen["tokens"] += metrics.get("tokens") or 0
             seen["padded"] += metrics.get("padded") or 0
@@ -398,12 +405,23 @@ def _segctl(model, optimizer, rows, cfg, args):
         seqs = seen["sequences"]
         return dict(packed=pack, side=side, unpadded=unpadded, pack=cfg["pack"], pack_refusal=why,
                     fused=fused, keep=cfg["keep"],
+                    phase_seconds={g: round(t, 3) for g, t in seen["phases"].items()},
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
                     sequences_per_step=round(statistics.mean(seqs), 3) if None not in seqs else None,
                     processed_tokens=seen["tokens"], head_chunk=DEFAULT_HEAD_CHUNK,
                     attn_block=DEFAULT_ATTN_BLOCK, mlp_chunk=DEFAULT_MLP_CHUNK)
     return step, timed, extra
+
+
+def _phase_seconds(marks: list[tuple[str, float]], into: dict) -> None:
+    """Add a step's seconds to `into` by phase group (fwd, head, bwd, update): each
+    phase is the time since the one before it. The engine reports a phase once
+    its arrays are evaluated, so on a GPU this is the device's time too."""
+    from segctl.orchestrator.measured import group_of
+    for (_, start), (label, end) in zip(marks, marks[1:]):
+        group = group_of(label)
+        into[group] = into.get(group, 0.0) + end - start
 
 
 # ---------------------------------------------------------------- the parent
