@@ -101,6 +101,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
+
 # Qwen3-0.6B's config.json shape (bench.suite's QWEN3_06B keeps bench_model's head_dim 64).
 SHAPES = {
     "cpu": dict(arch="qwen3", layers=8, dim=512, vocab=32000, intermediate=None, heads=None,
@@ -355,7 +357,7 @@ def _segctl(model, optimizer, rows, cfg, args):
     from segctl.engine.optim import apply_grads
     from segctl.engine.settings import StepMemory
     from segctl.engine.step import loss_and_grads, on_gpu, pack_refusal, ragged_refusal, side_refusal, supervised_tokens
-    from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_HEAD_CHUNK, DEFAULT_MLP_CHUNK
+    from segctl.schemas.defaults import DEFAULT_ATTN_BLOCK, DEFAULT_MLP_CHUNK
 
     B = cfg["batch"]
     parts = model_parts(model, check=False)
@@ -379,7 +381,7 @@ def _segctl(model, optimizer, rows, cfg, args):
         mx.clear_cache()
         loss, grads = loss_and_grads(model, examples, method="sft",
                                      memory=StepMemory(segment_size=cfg["segment_size"],
-                                                       head_chunk=DEFAULT_HEAD_CHUNK,
+                                                       head_chunk=args.head_chunk,
                                                        attn_block=DEFAULT_ATTN_BLOCK,
                                                        mlp_chunk=DEFAULT_MLP_CHUNK,
                                                        fused=fused, keep=cfg["keep"]),
@@ -409,7 +411,7 @@ def _segctl(model, optimizer, rows, cfg, args):
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
                     sequences_per_step=round(statistics.mean(seqs), 3) if None not in seqs else None,
-                    processed_tokens=seen["tokens"], head_chunk=DEFAULT_HEAD_CHUNK,
+                    processed_tokens=seen["tokens"], head_chunk=args.head_chunk,
                     attn_block=DEFAULT_ATTN_BLOCK, mlp_chunk=DEFAULT_MLP_CHUNK)
     return step, timed, extra
 
@@ -430,7 +432,8 @@ def child_argv(args, name: str) -> list[str]:
     argv = ["--one", name, "--rows", str(args.rows), "--warmup", str(args.warmup),
             "--seed", str(args.seed), "--median", str(args.median), "--sigma", str(args.sigma),
             "--min-len", str(args.min_len), "--max-len", str(args.max_len),
-            "--pack-length", str(args.pack_length), "--passes", str(args.passes)] \
+            "--pack-length", str(args.pack_length), "--passes", str(args.passes),
+            "--head-chunk", str(args.head_chunk)] \
         + (["--warm-pass"] if args.warm_pass else [])
     for k in SHAPE_KEYS:
         v = getattr(args, k)
@@ -630,6 +633,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=_positive, default=2048)
     p.add_argument("--pack-length", type=_positive, default=2048,
                    help="segctl: tokens per packed sequence at most")
+    p.add_argument("--head-chunk", type=_positive, default=DEFAULT_HEAD_CHUNK,
+                   help="segctl: the loss head's tokens at a time (a job's memory.head_chunk; "
+                        f"default {DEFAULT_HEAD_CHUNK})")
     p.add_argument("--batches", type=_ints, default=[1, 4, 16])
     p.add_argument("--segment-sizes", type=_ints, default=None,
                    help="segctl segment sizes (0 = plain autodiff); default: 0 and the layers")

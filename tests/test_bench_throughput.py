@@ -91,13 +91,13 @@ def test_rounds_run_each_configuration_again_and_kept_layers_agree(capsys):
     """--rounds 2: the list twice, each round's rows compared within it; `:k2`
     (the top two layers kept) trains the same rows to the same first loss."""
     configs = ["mlx-lm:b4", "segctl:b4:unpacked:s1:k2"]
-    throughput.cli(TINY + ["--rounds", "2", "--configs", ",".join(configs)])
+    throughput.cli(TINY + ["--rounds", "2", "--head-chunk", "16", "--configs", ",".join(configs)])
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["config"], r["round"]) for r in rows] == [(c, k) for k in (1, 2) for c in configs]
     assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
     kept = [r for r in rows if r["impl"] == "segctl"]
-    assert all(r["keep"] == 2 for r in kept)
+    assert all(r["keep"] == 2 and r["head_chunk"] == 16 for r in kept)
     assert all(abs(r["loss"] - rows[0]["loss"]) <= 1e-3 * abs(rows[0]["loss"]) for r in kept)
     for k in (1, 2):
         assert f"(round {k}):" in err
@@ -130,6 +130,7 @@ def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     (["--shape", "llama-70b"], "argument --shape: invalid choice: 'llama-70b'"),
     (["--passes", "0"], "argument --passes: '0': 1 or more, please"),
     (["--rounds", "0"], "argument --rounds: '0': 1 or more, please"),
+    (["--head-chunk", "0"], "argument --head-chunk: '0': 1 or more, please"),
     (["--configs", "segctl:b4:side:s0:k1"], "bad configuration 'segctl:b4:side:s0:k1'"),
     (["--configs", "segctl:b4:side:s1:k0"], "bad configuration 'segctl:b4:side:s1:k0'"),
     (["--configs", "segctl:b4:side:s1:k1:k2"], "bad configuration 'segctl:b4:side:s1:k1:k2'"),
