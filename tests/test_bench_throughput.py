@@ -49,7 +49,7 @@ def test_both_implementations_run_the_same_rows_and_agree(tmp_path, capsys):
             assert set(phases) == ({"fwd", "head", "bwd", "update"} if r["segment_size"]
                                    else {"step", "update"}), r
             assert min(phases.values()) >= 0 and max(phases.values()) > 0, r
-            assert sum(phases.values()) <= r["pass_seconds"][0], r
+            assert sum(phases.values()) <= r["pass_seconds"][0] + 0.005, r   # (each rounded)
 
     # the same weights and the same first row: the first step's loss agrees
     want = by["segctl:b1:unpacked:s0"]["loss"]
