@@ -458,7 +458,7 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
         grads: dict = {}
         for k, (stream, fwd, tag) in enumerate(zip(plan.streams, forwards, tags)):
             g, heads[k] = heads[k], None  # this branch's head gradients live on only in dh
-            dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
+            dh = _scaled(stream, w, g)
             del g
             blocked = 0 < attn_block < stream.span
             with layout.positions(parts, stream):
@@ -526,6 +526,12 @@ def _imports(parts, lo, hi) -> list[int]:
     return sorted({d for d in parts.donors[lo:hi] if d is not None and d < lo})
 
 
+def _scaled(stream: Stream, w: mx.array, g: mx.array) -> mx.array:
+    """dh of the loss: each read row's d(log p)/dh `g` scaled by the loss's
+    gradient `w` with respect to the sums it is in, placed at its row."""
+    return _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
+
+
 def _place(stream: Stream, rows_grad: mx.array) -> mx.array:
     """dh [batch, length, D] with each read row's gradient at its row (summed where a
     row is read twice, as prefix-shared ORPO's row P-1 is)."""
@@ -559,17 +565,17 @@ def _kept(parts, plan, fwd, params, lo, h_in, seed, head_chunk, phase, label):
     """The kept top layers [lo, N) of a one-stream plan, on their input h_in:
     (loss, sums, dh at lo, their gradients, donor K/V cotangents for below).
     Their forward runs inside the vjp and is evaluated there, so its graph (the
-    activations) stays for the backward; the head runs on a copy of its output,
-    the loss's gradient gives d(loss)/d(output), and the vjp's output is the
+    activations) stays for the backward; the head runs on that output, the
+    loss's gradient gives d(loss)/d(output), and the vjp's output is the
     dot product of the output with that constant, whose gradient it is exactly.
     The head's results leave the vjp as copies (head.detached)."""
     stream, out = plan.streams[0], {}
 
     def head_of(h):
-        logp, g = head.logp_and_grads(parts, head.detached(h), stream, head_chunk, detach=True)
+        logp, g = head.logp_and_grads(parts, h, stream, head_chunk, detach=True)
         sums = stream.member.T @ logp
         loss, w = mx.value_and_grad(plan.loss)(sums)
-        dh = _place(stream, ((stream.member @ w)[:, None] * g).astype(g.dtype))
+        dh = _scaled(stream, w, g)
         mx.eval(loss, sums, dh)
         out.update(loss=head.detached(loss), sums=head.detached(sums))
         phase("head")

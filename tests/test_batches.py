@@ -45,17 +45,22 @@ def one_by_one(model, batch, method="sft", **kw):
 SHAPES = [(23, 5), (9, 0), (31, 30), (14, 3), (40, 12)]
 
 
+def batch_case(folder, arch):
+    """(model, parts, the SHAPES rows, their plain loss, their plain gradients) of
+    a tiny model; gemma4_text in float64 (its fp32 rounding alone is ~1e-4)."""
+    model = lora_model(folder)
+    if arch == "gemma4_text":
+        model.set_dtype(mx.float64)
+    batch = rows_of(model.args.vocab_size, SHAPES)
+    return (model, model_parts(model, check=False), batch, *one_by_one(model, batch))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma4_text"])
 def test_a_batch_packed_or_apart_is_the_rows_one_by_one(tiny_models, arch):
     # llama's tiny model mixes sliding (window 8) and full layers; gemma4_text has
     # K/V donors read across segments.
-    model = lora_model(tiny_models[arch])
-    if arch == "gemma4_text":
-        model.set_dtype(mx.float64)   # its fp32 rounding alone is ~1e-4
-    parts = model_parts(model, check=False)
+    model, parts, batch, loss0, ref = batch_case(tiny_models[arch], arch)
     assert pack_refusal(parts) is None
-    batch = rows_of(model.args.vocab_size, SHAPES)
-    loss0, ref = one_by_one(model, batch)
     assert side_refusal(parts) is None
     for seg, pack, side, block, micro in ((0, True, False, 0, 0), (1, True, False, 0, 0),
                                           (2, True, False, 8, 0), (1, False, False, 8, 0),

@@ -11,7 +11,7 @@ import pytest
 from segctl.engine import PreferenceExample, loss_and_grads
 from segctl.engine.model import model_parts
 from segctl.engine.settings import StepMemory
-from tests.test_batches import SHAPES, TOL, one_by_one, rows_of
+from tests.test_batches import SHAPES, TOL, batch_case, one_by_one, rows_of
 from tests.test_step import lora_model, worst_rel_error
 
 
@@ -19,13 +19,8 @@ from tests.test_step import lora_model, worst_rel_error
 def test_kept_top_layers_give_the_plain_gradient(tiny_models, arch):
     # llama: sliding (window 8) and full layers; gemma4_text: the kept layers read
     # K/V of donors below them (layers 3 and 5 read layer 1's, layer 4 layer 2's)
-    model = lora_model(tiny_models[arch])
-    if arch == "gemma4_text":
-        model.set_dtype(mx.float64)   # its fp32 rounding alone is ~1e-4
-    parts = model_parts(model, check=False)
+    model, parts, batch, loss0, ref = batch_case(tiny_models[arch], arch)
     n = len(parts.layers)
-    batch = rows_of(model.args.vocab_size, SHAPES)
-    loss0, ref = one_by_one(model, batch)
     for seg, keep, kw in ((1, 1, {}), (2, 3, dict(pack=True, pack_length=48)),
                           (2, n, dict(side=True, pack_length=100)), (1, n - 1, {}),
                           (2, 2, dict(side=True, ragged=arch != "gemma4_text",
