@@ -78,7 +78,10 @@ Configurations (`--configs` picks some by name; default: all of these over
   first timed pass's seconds by phase (fwd, head, bwd, update: the optimizer
   step and what follows the backward). `:kK` (e.g.
   `segctl:b32:unpadded:s2:fused:k14`): the top K layers are kept, not
-  recomputed (docs/engine.md, "Kept layers"); rows carry `keep`.
+  recomputed (docs/engine.md, "Kept layers"); rows carry `keep`. A fused
+  step's optimizer update runs compiled too (engine/optim.apply_grads), as a
+  job's does; `:eager-update` runs it op by op as before (rows carry
+  `fused_update`), to weigh what that is worth.
 
 The optimizer is AdamW lr 1e-5 (engine/optim.make_optimizer) for both. Each
 configuration prints one JSON row on stdout as it lands (a failing one prints
@@ -163,11 +166,13 @@ def mix_stats(rows) -> dict:
 # ---------------------------------------------------------------- configurations
 
 def parse_config(name: str) -> dict:
-    """`mlx-lm:bB[:ckpt]` or `segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK]` ->
+    """`mlx-lm:bB[:ckpt]` or
+    `segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK][:eager-update]` ->
     its dict; ValueError with the reason otherwise."""
     parts = name.split(":")
     bad = ValueError(f"bad configuration {name!r} (mlx-lm:bB[:ckpt] or "
-                     "segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK], e.g. "
+                     "segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK]"
+                     "[:eager-update], e.g. "
                      "segctl:b4:packed:s0)")
     if len(parts) < 2 or not parts[1].startswith("b") or not parts[1][1:].isdigit() \
             or int(parts[1][1:]) < 1:
@@ -183,11 +188,13 @@ def parse_config(name: str) -> dict:
             "packed", "unpacked", "side", "unpadded", "auto") \
             and parts[3].startswith("s") and parts[3][1:].isdigit() \
             and len(options) == len(set(options)) \
-            and all(o == "fused" or o in keep for o in options) and len(keep) <= 1 \
+            and all(o in ("fused", "eager-update") or o in keep for o in options) \
+            and len(keep) <= 1 \
             and not (keep and parts[3] == "s0"):
         return dict(name=name, impl="segctl", batch=batch, pack=parts[2],
                     segment_size=int(parts[3][1:]), fused="fused" in options,
-                    keep=int(keep[0][1:]) if keep else 0)
+                    keep=int(keep[0][1:]) if keep else 0,
+                    eager_update="eager-update" in options)
     raise bad
 
 
@@ -371,7 +378,7 @@ def _segctl(model, optimizer, rows, cfg, args):
         pack = cfg["pack"] == "packed"
     unpadded = side and cfg["pack"] != "side" and ragged_refusal(parts) is None
     fused = _fuses(cfg)
-    state = [model.state, optimizer.state]
+    fused_update = fused and not cfg["eager_update"]
     seen: dict = dict(sequences=[], tokens=0, padded=0, phases={})
 
     def step(batch, warmup, count=True):
@@ -390,9 +397,9 @@ def _segctl(model, optimizer, rows, cfg, args):
                                      parts=parts, metrics=metrics,
                                      on_phase=lambda label: marks.append((label,
                                                                           time.perf_counter())))
-        apply_grads(model, optimizer, grads, GRAD_CLIP)
+        apply_grads(model, optimizer, grads, GRAD_CLIP, fused=fused_update)
         del grads
-        mx.eval(state, loss)
+        mx.eval(model.state, optimizer.state, loss)   # (a compiled update makes a new state)
         marks.append(("update", time.perf_counter()))
         if not warmup and count:
             _phase_seconds(marks, seen["phases"])
@@ -406,7 +413,7 @@ def _segctl(model, optimizer, rows, cfg, args):
     def extra():
         seqs = seen["sequences"]
         return dict(packed=pack, side=side, unpadded=unpadded, pack=cfg["pack"], pack_refusal=why,
-                    fused=fused, keep=cfg["keep"],
+                    fused=fused, fused_update=fused_update, keep=cfg["keep"],
                     phase_seconds={g: round(t, 3) for g, t in seen["phases"].items()},
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
@@ -488,6 +495,7 @@ def _label(row: dict, lengths: bool = False) -> str:
     return f"segctl batch {row['batch']}, {how}, " + ("plain" if not seg else f"segment {seg}") \
         + (", fused" if row.get("fused") else "") \
         + (f", top {row['keep']} kept" if row.get("keep") else "") \
+        + (", update eager" if row.get("fused") and row.get("fused_update") is False else "") \
         + (f", at most {row['pack_length']} tokens a pass"
            if lengths and row.get("pack_length") else "")
 

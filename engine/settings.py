@@ -20,7 +20,8 @@ class StepMemory:
     (plain only): every layer recomputed under mx.checkpoint, as mlx-lm does.
     fused (segmented only): a segment's forward, its backward and the head's
     chunks run as `mx.compile`d functions where that is exact (engine/step.py,
-    `fused.fusable`), as mlx-lm compiles its step. keep (segmented only): the
+    `fused.fusable`), as mlx-lm compiles its step, and so does the optimizer's
+    update after it (engine/optim.apply_grads). keep (segmented only): the
     top `keep` layers are kept, not recomputed: their forward runs once, the
     head runs on its output, and their backward follows in the same vjp, so
     their activations are held through the head (engine/step.py, `_kept`).

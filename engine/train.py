@@ -345,7 +345,7 @@ def measured_step(model, optimizer, example, *, parts, step: int, budget: float 
     if ring is not None:   # this rank's share -> the whole batch's (engine/distributed.py)
         loss, grads, cost = distributed.reduce_step(ring, loss, grads, metrics["weight"])
         metrics.update(cost)
-    grad_norm = apply_grads(model, optimizer, grads, grad_clip)
+    grad_norm = apply_grads(model, optimizer, grads, grad_clip, fused=memory.fused)
     del grads
     mx.eval(loss, grad_norm, model.trainable_parameters(), optimizer.state)
     seconds = time.perf_counter() - tic

@@ -109,6 +109,19 @@ def test_rounds_run_each_configuration_again_and_kept_layers_agree(capsys):
         f"{kept[k]['tokens_per_s'] / rows[2 * k]['tokens_per_s']:.2f}x" for k in (0, 1)]
 
 
+def test_a_fused_rows_update_runs_compiled_unless_asked_eager(capsys):
+    """`:fused` compiles the optimizer's update too (as a job's fused step does);
+    `:eager-update` runs it op by op: the same rows, the same first loss."""
+    configs = ["segctl:b4:unpacked:s1:fused", "segctl:b4:unpacked:s1:fused:eager-update"]
+    throughput.cli(TINY + ["--configs", ",".join(configs)])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
+    assert [(r["fused"], r["fused_update"]) for r in rows] == [(True, True), (True, False)]
+    assert rows[0]["loss"] == rows[1]["loss"]
+    assert "| segctl batch 4, unpacked, segment 1, fused, update eager |" in err
+
+
 def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     """Why the benchmark hands mlx-lm [prompt_len, len - 1]: iterate_batches' own
     [offset, len] makes default_loss also read the padding after each row."""
@@ -136,6 +149,7 @@ def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     (["--configs", "segctl:b4:side:s0:k1"], "bad configuration 'segctl:b4:side:s0:k1'"),
     (["--configs", "segctl:b4:side:s1:k0"], "bad configuration 'segctl:b4:side:s1:k0'"),
     (["--configs", "segctl:b4:side:s1:k1:k2"], "bad configuration 'segctl:b4:side:s1:k1:k2'"),
+    (["--configs", "segctl:b4:side:s1:eager"], "bad configuration 'segctl:b4:side:s1:eager'"),
     (["table"], "usage: python -m bench.throughput table ROWS.jsonl"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):

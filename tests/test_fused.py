@@ -202,3 +202,42 @@ def test_a_layer_that_evaluates_inside_runs_unfused_from_the_trace_that_meets_it
         mlp.__class__ = Evaluating.__bases__[0]
     assert_same(want, got)
     assert "function transformations" in cache.refused and not cache.fns
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_a_fused_update_is_the_eager_update(tiny_models, tmp_path, clip):
+    """The optimizer's update compiled (a fused step's, engine/optim.apply_grads)
+    is the eager one, step after step, under a schedule with warmup and weight
+    decay, with and without the clip, and across a checkpoint's load (which
+    replaces the optimizer's state); the compiled function goes with its
+    optimizer."""
+    import gc
+
+    from segctl.engine import optim as optim_mod
+    from segctl.engine.train import BestSoFar, load_checkpoint, save_checkpoint
+    models = [lora_model(tiny_models["qwen3"]) for _ in range(2)]
+    opts = [optim_mod.make_optimizer(optim_mod.schedule(1e-2, "cosine", warmup=2, total=6))
+            for _ in models]
+    batch = rows_of(models[0].args.vocab_size, SHAPES[:2])
+    norms = []
+    for step in range(1, 6):
+        norms.append([])
+        for model, opt, fused in zip(models, opts, (False, True)):
+            _, grads = loss_and_grads(model, batch, memory=StepMemory(segment_size=2))
+            norm = optim_mod.apply_grads(model, opt, grads, clip, fused=fused)
+            mx.eval(norm, model.trainable_parameters(), opt.state)
+            norms[-1].append(norm.item())
+            if step == 3:   # to a checkpoint and back: a new state object
+                path = save_checkpoint(tmp_path / str(fused), step, model, opt, {}, 0, BestSoFar())
+                load_checkpoint(path, model, opt)
+        assert norms[-1][0] == norms[-1][1]
+        for (n, a), (_, b) in zip(tree_flatten(models[0].trainable_parameters()),
+                                  tree_flatten(models[1].trainable_parameters())):
+            assert mx.array_equal(a, b), (step, n)
+        for (n, a), (_, b) in zip(tree_flatten(opts[0].state), tree_flatten(opts[1].state)):
+            assert mx.array_equal(a, b), (step, n)
+    assert opts[1].state["step"].item() == 5 and norms[0] != norms[-1]
+    assert len(optim_mod._COMPILED) >= 1
+    del opts, models, opt, model
+    gc.collect()
+    assert len(optim_mod._COMPILED) == 0
