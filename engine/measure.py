@@ -71,7 +71,7 @@ def run_probes(spec: ProbeSpec, emit, clock) -> None:
                                                     attn_block=spec.attn_block,
                                                     mlp_chunk=spec.mlp_chunk,
                                                     grad_checkpoint=False,
-                                                    fused=on_gpu()),  # as a job runs
+                                                    fused=bool(segment_size) and on_gpu()),  # as a job runs
                                   grad_clip=1.0, method=method, pack=pack)
             except OOMError as e:
                 fits, message = False, str(e)
