@@ -29,8 +29,10 @@ each one-graph function's loss and input gradient with `segmented`'s.
                         [--tokens T] [--repeats N] [--masks causal,none]
 
 Each function runs once untimed, then --repeats times: the median's seconds
-and the largest peak. One JSON row a function on stdout. Bad options exit 2
-with one line on stderr."""
+and the largest peak. One JSON row a function on stdout, then a Markdown table
+on stderr (each function's seconds against today's three graphs; `python -m
+bench.suite mac` runs this at the Qwen3-0.6B shape and prints the table after
+its own). Bad options exit 2 with one line on stderr."""
 
 from __future__ import annotations
 
@@ -173,7 +175,30 @@ def _masks(text: str) -> list[str]:
     return masks
 
 
-def cli(argv: list[str] | None = None) -> list[dict]:
+def table(rows: list[dict]) -> str:
+    """The rows as Markdown, one table a mask: seconds and peak, and seconds as a
+    ratio of today's three graphs'; then the checks."""
+    out = []
+    for mask in dict.fromkeys(r["mask"] for r in rows):
+        timed = [r for r in rows if r["mask"] == mask and r["fn"] != "check"]
+        ref = next((r["seconds"] for r in timed if r["fn"] == "segmented"), None)
+        first = timed[0] if timed else {}
+        out += [f"bench.merge, {first.get('shape')} shape, {first.get('layers')} layers, "
+                f"{first.get('rows')} x {first.get('tokens')} tokens, mask {mask}, "
+                f"{first.get('device')}:", "",
+                "| function | seconds | peak GB | vs segmented |", "|---|---|---|---|"]
+        for r in timed:
+            ratio = f"{r['seconds'] / ref:.2f}x" if ref else ""
+            out.append(f"| {r['fn']} | {r['seconds']} | {r['peak_gb']} | {ratio} |")
+        checks = [f"{r['of']}: loss {r['loss'][1]} against {r['loss'][0]}, input gradient "
+                  f"within {r['dx_max_rel']} (relative)"
+                  for r in rows if r["mask"] == mask and r["fn"] == "check"]
+        out += [""] + checks + [""] if checks else [""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The rows (each printed as it lands); no table."""
     p = _Parser(prog="python -m bench.merge", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
@@ -183,6 +208,12 @@ def cli(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=_positive, default=3)
     p.add_argument("--masks", type=_masks, default=["causal", "none"])
     return run(p.parse_args(argv))
+
+
+def cli(argv: list[str] | None = None) -> list[dict]:
+    rows = main(argv)
+    print(table(rows), file=sys.stderr)
+    return rows
 
 
 if __name__ == "__main__":

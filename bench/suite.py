@@ -12,6 +12,9 @@ grad_checkpoint patches a class for the whole process), side by side in one run.
 
 The long plans (cpu-long, h200-long, mac) pass --mlp-chunk and --offload, which
 bench.engine puts in the step's StepMemory.
+The mac plan then runs bench.throughput's configurations (training tokens per
+second on a length mix) and bench.merge (whether compile merges a block's
+recompute with its forward), each printing its own rows and, at the end, table.
 
 Each row is printed as it lands; a configuration that fails prints a row with
 "error" instead of stopping the suite. When the plan is done, a table of its rows
@@ -231,6 +234,12 @@ THROUGHPUT = {
     "mac": ["--shape", "qwen3-0.6b", "--warm-pass", "--passes", "3"],
 }
 
+# Plans that also ask whether compile merges a block's recompute with its forward
+# (bench.merge, in this process): its rows follow the throughput rows.
+MERGE = {
+    "mac": ["--shape", "qwen3-0.6b", "--layers", "4", "--rows", "4", "--tokens", "2048"],
+}
+
 
 # bench.engine flags that are argparse.BooleanOptionalAction: False renders --no-FLAG
 # (elsewhere False means "leave the flag out").
@@ -275,6 +284,9 @@ def main(plan: str, seqs: list[int] | None = None, baseline: str | None = None) 
     if plan in THROUGHPUT and not seqs:
         from bench import throughput
         rows += throughput.main(throughput.parse(THROUGHPUT[plan]))   # prints its rows
+    if plan in MERGE and not seqs:
+        from bench import merge
+        rows += merge.main(MERGE[plan])   # prints its rows
     return rows
 
 
@@ -322,11 +334,12 @@ def _ratio(mine, base) -> str:
 def table(rows: list[dict]) -> str:
     """The rows as Markdown tables, one per model shape and length, in the order
     they came; ratios against that group's mlx-lm (or mlx-lm-lora) grad_checkpoint
-    row of the same code (this tree's or --baseline's). bench.throughput's rows
-    (the mac plan's) follow in its own table."""
-    from bench import throughput
+    row of the same code (this tree's or --baseline's). bench.throughput's and
+    bench.merge's rows (the mac plan's) follow in their own tables."""
+    from bench import merge, throughput
     rates = [r for r in rows if r.get("bench") == "throughput"]
-    rows = [r for r in rows if r.get("bench") != "throughput"]
+    merges = [r for r in rows if r.get("bench") == "merge"]
+    rows = [r for r in rows if r.get("bench") not in ("throughput", "merge")]
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(_shape(row), []).append(row)
@@ -355,14 +368,16 @@ def table(rows: list[dict]) -> str:
         out.append("")
     if rates:
         out.append(throughput.table(rates))
+    if merges:
+        out.append(merge.table(merges))
     return "\n".join(out)
 
 
 def _read_rows(path: str) -> list[dict]:
     """A JSON-lines file of suite rows (bench.engine's, and the mac plan's
-    bench.throughput rows)."""
+    bench.throughput and bench.merge rows)."""
     def why_not(row):
-        if row.get("bench") == "throughput":
+        if row.get("bench") in ("throughput", "merge"):
             return None
         missing = [k for k in _SHAPE_KEYS if k not in row]
         return f"not a bench.engine row (no {', '.join(missing)})" if missing else None

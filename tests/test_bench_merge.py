@@ -12,8 +12,12 @@ from bench import merge
 def test_one_graph_functions_compute_the_segmented_step(capsys):
     rows = merge.cli(["--layers", "2", "--rows", "2", "--tokens", "48", "--repeats", "1",
                       "--masks", "causal,none"])
-    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert out == rows
+    out, err = capsys.readouterr()
+    assert [json.loads(line) for line in out.splitlines()] == rows
+    # then the table on stderr: a table a mask, each function against today's graphs
+    assert err.count("| function | seconds | peak GB | vs segmented |") == 2
+    assert err.count("| segmented |") == 2 and err.count("| 1.00x |") >= 2
+    assert merge.table(rows).strip() == err.strip()
     names = ["fwd", "bwd", "head", "segmented", "one", "one_vjp", "simple", "simple_vjp"]
     for mask in ("causal", "none"):
         timed = [r for r in rows if r["mask"] == mask and r["fn"] != "check"]

@@ -43,9 +43,16 @@ def test_the_mac_plan_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, caps
         "--layers", "2", "--dim", "64", "--vocab", "256", "--rows", "4", "--min-len", "8",
         "--median", "24", "--max-len", "64", "--pack-length", "64",
         "--configs", "mlx-lm:b4,segctl:b4:packed:s0", "--warm-pass"])
+    # and whether compile merges a block's recompute (bench.merge), tiny too
+    monkeypatch.setitem(suite.MERGE, "mac-tiny", ["--layers", "1", "--rows", "1", "--tokens",
+                                                  "32", "--repeats", "1", "--masks", "causal"])
     suite.cli(["mac-tiny"])
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
+    merges = [r for r in rows if r.get("bench") == "merge"]
+    assert [r["fn"] for r in merges][-3:] == ["simple_vjp", "check", "check"]
+    assert "| one_vjp |" in err and "vs segmented |" in err
+    rows = [r for r in rows if r.get("bench") != "merge"]
     rates = [r for r in rows if r.get("bench") == "throughput"]
     assert [r["config"] for r in rates] == ["mlx-lm:b4", "segctl:b4:packed:s0"]
     assert not [r for r in rates if "error" in r] and all(r["warm_pass"] for r in rates)
