@@ -47,10 +47,10 @@ def apply_grads(model, optimizer, grads: dict, grad_clip: float | None = 1.0,
         return norm
     params = tree_unflatten([(k, v) for k, v in tree_flatten(model.trainable_parameters())
                              if k in grads])
-    optimizer.init(params)   # (AdamW's moments exist before the trace: the state's shape is fixed)
+    update = _compiled(optimizer, grad_clip, params)
     state = optimizer.state
     try:
-        params, optimizer.state, norm = _compiled(optimizer, grad_clip)(params, tree, state)
+        params, optimizer.state, norm = update(params, tree, state)
     except BaseException:
         optimizer.state = state   # (a failed trace would leave its tracers there)
         raise
@@ -71,9 +71,12 @@ def _clipped(tree: dict, grad_clip: float | None):
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(optimizer, grad_clip: float | None):
+def _compiled(optimizer, grad_clip: float | None, params: dict):
     fns = _COMPILED.setdefault(optimizer, {})
     if grad_clip not in fns:
+        # AdamW's moments made before the first trace, so the state's shape is fixed
+        # (a checkpoint's load later replaces it with a state of the same shape)
+        optimizer.init(params)
         ref = weakref.ref(optimizer)
 
         def update(params, tree, state):
