@@ -20,6 +20,10 @@ on layers of an mlx-lm model (no LoRA: the input's gradient alone):
                  MLX's attention then keeps its log-sum-exp, which a plain
                  forward does not, so only this forward can equal the recompute's)
   simple, simple_vjp   the same two without the head (cotangent = out / 2)
+  joint          no forward of its own: one compiled vjp of the layers and the
+                 head together, the forward run once inside it (as mlx-lm's
+                 compiled step runs), each head chunk under `mx.checkpoint` so
+                 its logits are made again in the backward instead of kept
 
 Where the merge happens, `one` takes about bwd + head, not fwd + bwd + head;
 `peak_gb` says what the head in the same graph costs. A `check` row compares
@@ -102,6 +106,20 @@ def functions(model, B: int, T: int, mask):
     def vjp_out(x):   # unused cotangent: only the forward is computed
         return mx.vjp(lambda y: [layers(y)], [x], [mx.zeros(x.shape, x.dtype)])[0][0]
 
+    def nll_of(t):
+        def nll(y):
+            logits = inner.embed_tokens.as_linear(inner.norm(y)).astype(mx.float32)
+            return -mx.take_along_axis(nn.log_softmax(logits, -1), t, -1).sum()
+        return mx.checkpoint(nll)
+
+    def joint(x):
+        def loss(y):
+            hs = layers(y)[:, T // 2:].reshape(-1, D)
+            return [sum(nll_of(targets[i:i + HEAD_CHUNK, None])(hs[i:i + HEAD_CHUNK])
+                        for i in range(0, hs.shape[0], HEAD_CHUNK))]
+        (lp,), (dx,) = mx.vjp(loss, [x], [mx.array(1.0)])
+        return lp, dx
+
     fwd, bwd, head_c = mx.compile(layers), mx.compile(vjp), mx.compile(head)
 
     def segmented(x):
@@ -121,7 +139,7 @@ def functions(model, B: int, T: int, mask):
     return {"fwd": (fwd, "h"), "bwd": (bwd, "hc"), "head": (head_c, "h"),
             "segmented": (segmented, "h"), "one": (one(layers, True), "h"),
             "one_vjp": (one(vjp_out, True), "h"), "simple": (one(layers, False), "h"),
-            "simple_vjp": (one(vjp_out, False), "h")}
+            "simple_vjp": (one(vjp_out, False), "h"), "joint": (mx.compile(joint), "h")}
 
 
 def timed(fn, args, repeats: int):
@@ -157,7 +175,7 @@ def run(args) -> list[dict]:
                              mlx=mx.__version__))
             print(json.dumps(rows[-1]), flush=True)
         ref_loss, ref_dx = results["segmented"]
-        for name in ("one", "one_vjp"):
+        for name in ("one", "one_vjp", "joint"):
             loss, dx = results[name]
             diff = mx.abs(dx.astype(mx.float32) - ref_dx.astype(mx.float32)).max().item()
             scale = mx.abs(ref_dx.astype(mx.float32)).max().item()

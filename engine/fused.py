@@ -122,6 +122,44 @@ def vjp(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run, h: mx.array
     return None if cots is None else (cots[0], dict(zip(names, cots[1:])))
 
 
+def joint(parts, shape: Shape, key: tuple, lo: int, hi: int, run: Run, head: Callable,
+          h: mx.array, inputs: list[mx.array], layout=None, input_grad: bool = True):
+    """(log p of the read rows, d h_in or None, {(layer, name): gradient}) of layers
+    [lo, hi) and the head on h as one compiled vjp: their forward runs once, inside
+    it, as mlx-lm's compiled step runs (the kept top layers of a plan whose loss
+    is linear in its sums: engine/step.py). `head(out, *inputs)` -> (loss, log p),
+    the loss differentiated, log p returned beside it; `inputs`: the head's arrays
+    (rows, targets, weights), inputs of the compiled function like the layout's.
+    input_grad False: no gradient of h (the layers start at the embedding). None
+    where the trace failed."""
+    names, values = _trainables(parts, lo, hi)
+    aux = layout.arrays() if layout else []
+    n_in, first = len(inputs), 1 if input_grad else 0
+
+    def make():
+        fn = _with_weights(parts, names, run, layout)
+
+        def step(x, *flat):
+            head_in, rest = flat[:n_in], flat[n_in:]
+
+            def loss(*primals):
+                y, p = (primals[0], primals[1:]) if input_grad else (x, primals)
+                out = fn(y, *rest[:len(aux)], *p)
+                value, logp = head(out, *head_in)
+                return [value, mx.stop_gradient(logp)]
+            primals = ([x] if input_grad else []) + list(rest[len(aux):])
+            (_, logp), cots = mx.vjp(loss, primals, [mx.array(1.0), mx.zeros(head_in[0].shape)])
+            return logp, cots
+        return step
+
+    got = _traced(parts, names, values, layout, aux, lambda: compiled(
+        parts, shape, ("joint", lo, hi, input_grad, *key), make)(h, *inputs, *aux, *values))
+    if got is None:
+        return None
+    logp, cots = got
+    return logp, (cots[0] if input_grad else None), dict(zip(names, cots[first:]))
+
+
 def _traced(parts, names, values, layout, aux, call: Callable):
     """call(), or None where its trace met an evaluation inside (the model is then
     fused no more); the weights and the layout's arrays put back either way (a

@@ -69,6 +69,17 @@ def logp(parts, h, stream: Stream, chunk: int) -> mx.array:
     return mx.concatenate(out)
 
 
+def traced_logp(parts, h, idx: mx.array, targets: mx.array, chunk: int) -> mx.array:
+    """log p of rows `idx` of h (flattened) inside a function being traced and
+    differentiated whole (fused kept layers, engine/fused.joint): `chunk` rows at
+    a time, each under `mx.checkpoint`, so the backward makes a chunk's logits
+    again instead of keeping every chunk's from the forward. idx and targets are
+    the traced function's inputs (a compiled function replays its constants)."""
+    hs = h.reshape(-1, h.shape[-1])[idx]
+    return mx.concatenate([mx.checkpoint(_chunk_logp(parts, targets[i:i + chunk]))(hs[i:i + chunk])
+                           for i in range(0, idx.shape[0], chunk)])
+
+
 def _chunk_vjp(parts, hc, targets):
     f = _chunk_logp(parts, targets)
     (lp,), (g,) = mx.vjp(lambda x: [f(x)], [hc], [mx.ones((hc.shape[0],), mx.float32)])

@@ -101,11 +101,14 @@ class RowPlan:
     step's weight. SFT: minus the summed log p of its response, weight its
     supervised tokens; ORPO and DPO: the row's loss, weight 1. So a step's loss,
     the sum of its rows' losses over the sum of their weights, is mlx-lm's
-    token-weighted mean for SFT and the mean of the rows' losses for ORPO and DPO."""
+    token-weighted mean for SFT and the mean of the rows' losses for ORPO and DPO.
+    linear: the loss is linear in the sums (SFT's), so its gradient with respect
+    to them is known before they are (engine/step.py's fused kept layers)."""
     streams: list[Stream]
     loss: Callable[[mx.array, mx.array | None], mx.array]  # (its sums, reference sums) -> loss
     weight: int
     report: Callable[[mx.array, mx.array | None], dict] = lambda s, ref: {}
+    linear: bool = False
 
     @property
     def sums(self) -> int:
@@ -123,6 +126,7 @@ class LossPlan:
     weight: int                            # its rows' weight (validation weighs rows by it)
     report: Callable[[mx.array], list] = lambda sums: []   # a dict per row
     rows: int = 1
+    linear: bool = False   # every row's loss linear in its sums (RowPlan.linear)
 
 
 def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = False,
@@ -338,7 +342,8 @@ def _join(group: list[RowPlan], streams: list[Stream], total: int, method: str,
     def report(sums):
         return [r.report(own(sums, k), own(ref, k)) for k, r in enumerate(group)]
 
-    return LossPlan(streams, loss, sum(r.weight for r in group), report, len(group))
+    return LossPlan(streams, loss, sum(r.weight for r in group), report, len(group),
+                    all(r.linear for r in group))
 
 
 def row_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = False,
@@ -366,7 +371,7 @@ def _sft_row(ex: Example) -> RowPlan:
                         "has no response tokens to supervise")
     rows = list(range(start, n - 1))
     stream = Stream(ex.ids[:-1], rows, ex.ids[start + 1:], mx.ones((m, 1)))
-    return RowPlan([stream], lambda s, ref: -s[0], m)
+    return RowPlan([stream], lambda s, ref: -s[0], m, linear=True)
 
 
 def _orpo_row(ex: PreferenceExample, parts, prefix_shared, lambda_, nll_scope) -> RowPlan:

@@ -24,7 +24,8 @@ class StepMemory:
     update after it (engine/optim.apply_grads). keep (segmented only): the
     top `keep` layers are kept, not recomputed: their forward runs once, the
     head runs on its output, and their backward follows in the same vjp, so
-    their activations are held through the head (engine/step.py, `_kept`).
+    their activations are held through the head (engine/step.py, `_kept`;
+    fused, an SFT plan's as one compiled vjp with the head, `_kept_fused`).
     Memory for speed: a kept layer's forward is not computed twice."""
     segment_size: int
     head_chunk: int = DEFAULT_HEAD_CHUNK

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -40,13 +40,12 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
-from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
 
 from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
 
 from . import attention, head, layout, rows
 from . import fused as fusing
+from .adapter import adapter_off
 from .data import PreferenceExample
 from .layer import eager, layer_vjp, put_params
 from .model import ModelParts, model_parts
@@ -320,30 +319,6 @@ def reference_sums(model: nn.Module, parts: ModelParts, streams: list[Stream], h
     return sums
 
 
-@contextmanager
-def adapter_off(model: nn.Module):
-    """Every LoRA layer of `model` computes exactly its base layer's output inside
-    the block: LoRA adds `scale * z` to the base output, so scale 0 adds zero.
-    Its dropout is off too, so the pass draws no random numbers: the step's
-    dropout masks come from the same generator. Both are restored on the way out,
-    whatever happens inside."""
-    if any(isinstance(m, (DoRALinear, DoRAEmbedding)) for m in model.modules()):
-        # DoRA rescales the whole output by m / |W + scale * BA|: scale 0 is not the base
-        raise StepError("DoRA layers cannot be switched off for a reference pass")
-    lora = [m for m in model.modules()
-            if isinstance(m, (LoRALinear, LoRASwitchLinear, LoRAEmbedding))]
-    saved = [(m, m.scale, m.dropout.training) for m in lora]
-    try:
-        for m in lora:
-            m.scale = 0.0
-            m.dropout.train(False)
-        yield
-    finally:
-        for m, scale, training in saved:
-            m.scale = scale
-            m.dropout.train(training)
-
-
 def _run(parts, lo, hi, h, masks, extras, kv_in, seed, chunk: int = 0):
     """Layers [lo, hi) on h; returns (h, {donor: (K, V)} for the donors among them).
     Layer i runs under seed+i (here and in every recompute), so LoRA dropout draws
@@ -427,9 +402,11 @@ def _segmented(model, parts, plan, memory, on_phase, offload_s):
             stream = plan.streams[0]
             with layout.positions(parts, stream):
                 fwd, top = forward(stream, "", scratch)
-                loss, sums, dh, grads, dkv = _kept(parts, plan, fwd, params, len(layers) - keep,
-                                                   top, base_seed, head_chunk, phase,
-                                                   f"bwd{len(segments)}")
+                got = _kept_fused(parts, plan, fwd, params, len(layers) - keep, top, head_chunk,
+                                  phase, f"bwd{len(segments)}") if fwd.fused else None
+                loss, sums, dh, grads, dkv = got or _kept(
+                    parts, plan, fwd, params, len(layers) - keep, top, base_seed, head_chunk,
+                    phase, f"bwd{len(segments)}")
                 del top
                 _backward(parts, fwd, segments, params, dh, grads, 0, 0, base_seed, phase, "",
                           dkv)
@@ -588,6 +565,45 @@ def _kept(parts, plan, fwd, params, lo, h_in, seed, head_chunk, phase, label):
     mx.eval(dh, dkv, grads)
     phase(label)
     return out["loss"], out["sums"], dh, grads, dkv
+
+
+def _kept_fused(parts, plan, fwd, params, lo, h_in, chunk, phase, label):
+    """The kept top layers [lo, N) of a fused one-stream plan whose loss is linear
+    in its sums (SFT's), as `_kept` returns them, or None (another loss, or the
+    trace failed: `_kept` runs them). Their forward, the head and their backward
+    are one compiled vjp (fused.joint): fused, and holding only what the
+    backward reads. The loss's gradient with respect to the sums is then known
+    before the sums are, so the vjp's output is the loss itself as each read
+    row's weight in it times the row's log p. The rows go in padded to whole
+    head chunks (weight 0), so a stream's shape is traced for few row counts."""
+    if not plan.linear:
+        return None
+    stream, n = plan.streams[0], len(parts.layers)
+    m = len(stream.rows)
+    pad = -m % chunk
+    w = stream.member @ mx.grad(plan.loss)(mx.zeros((stream.member.shape[1],)))
+    inputs = [mx.array(stream.rows + [0] * pad, dtype=mx.int32),
+              mx.array(stream.targets + [0] * pad, dtype=mx.int32),
+              mx.concatenate([w, mx.zeros((pad,), w.dtype)])]
+
+    def loss_of(out, idx, targets, weights):
+        logp = head.traced_logp(parts, out, idx, targets, chunk)
+        return (weights * logp).sum(), logp
+
+    got = fusing.joint(parts, fwd.fused, (chunk, *_key(fwd.masks[lo:])), lo, n,
+                       _layers_fn(parts, lo, n, fwd.masks), loss_of, h_in, inputs, fwd.layout,
+                       input_grad=lo > 0)
+    if got is None:
+        return None
+    logp, dh, by_name = got
+    sums = stream.member.T @ logp[:m]
+    loss = plan.loss(sums)
+    grads: dict = {}
+    _add_grads(grads, [p for i in range(lo, n) for p in params[i]],
+               [by_name[i, local] for i in range(lo, n) for _, _, local, _ in params[i]])
+    mx.eval(loss, sums, dh, grads)
+    phase(label)
+    return loss, sums, dh, grads, {}
 
 
 def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase, tag,

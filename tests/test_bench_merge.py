@@ -1,4 +1,5 @@
-"""bench/merge.py: the one-graph functions it times compute today's step."""
+"""bench/merge.py: the one-graph functions it times compute today's step (`joint`,
+the forward inside the vjp with the head's chunks checkpointed, too)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ def test_one_graph_functions_compute_the_segmented_step(capsys):
     assert err.count("| function | seconds | peak GB | vs segmented |") == 2
     assert err.count("| segmented |") == 2 and err.count("| 1.00x |") >= 2
     assert merge.table(rows).strip() == err.strip()
-    names = ["fwd", "bwd", "head", "segmented", "one", "one_vjp", "simple", "simple_vjp"]
+    names = ["fwd", "bwd", "head", "segmented", "one", "one_vjp", "simple", "simple_vjp", "joint"]
     for mask in ("causal", "none"):
         timed = [r for r in rows if r["mask"] == mask and r["fn"] != "check"]
         assert [r["fn"] for r in timed] == names
         assert all(r["seconds"] > 0 and r["peak_gb"] > 0 for r in timed)
         checks = {r["of"]: r for r in rows if r["mask"] == mask and r["fn"] == "check"}
-        assert sorted(checks) == ["one", "one_vjp"]
+        assert sorted(checks) == ["joint", "one", "one_vjp"]
         for r in checks.values():   # fp32 on this CPU: the same arithmetic
             ref, got = r["loss"]
             assert abs(got - ref) <= 1e-5 * abs(ref) and r["dx_max_rel"] <= 1e-5, r

@@ -15,10 +15,11 @@ import pytest
 import segctl.engine.head as head
 import segctl.engine.plans as plans
 import segctl.engine.step as step
+from segctl.engine.adapter import adapter_off
 from segctl.engine.data import PreferenceExample
 from segctl.engine.model import load_model
 from segctl.engine.settings import StepMemory
-from segctl.engine.step import StepError, adapter_off, eval_loss, loss_and_grads
+from segctl.engine.step import StepError, eval_loss, loss_and_grads
 from segctl.schemas import SpecError
 from segctl.schemas.job import JobSpec, load_job
 from segctl.schemas.sweep import job_keys, load_sweep

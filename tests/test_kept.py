@@ -121,3 +121,38 @@ def test_a_kept_head_leaves_no_chunk_logits_behind(tiny_models):
         mx.vjp(fn, [h], [mx.array(1.0)])
     logits = n * V * 4      # every chunk's fp32 logits, once
     assert held[False] > logits > 4 * held[True], held
+
+
+FUSED_KEPT = {   # arch -> (segment size, keep, layout): llama's windows fuse unpadded only
+    "qwen3": [(1, 2, {}), (2, 5, dict(side=True, pack_length=100)),
+              (2, 3, dict(side=True, ragged=True, pack_length=100))],
+    "llama": [(1, 5, dict(side=True, ragged=True, pack_length=100))],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FUSED_KEPT))
+def test_fused_kept_layers_run_as_one_compiled_vjp_and_give_the_plain_gradient(tiny_models,
+                                                                            arch):
+    """Fused, an SFT plan's kept layers run as one compiled vjp of their forward
+    and the head (fused.joint): the forward once, inside it. Each stream shape
+    runs so from its second time (before, `_kept` runs it); rows alone, side by
+    side, unpadded, and every layer kept (no segment below)."""
+    model, parts, batch, loss0, ref = batch_case(tiny_models[arch], arch)
+    n = len(parts.layers)
+    for seg, keep, kw in FUSED_KEPT[arch]:
+        fused = model_parts(model, check=False)
+        memory = StepMemory(segment_size=seg, keep=keep, fused=True, head_chunk=4)
+        for time in range(2):
+            phases: list[str] = []
+            loss, grads = loss_and_grads(model, batch, memory=memory, parts=fused,
+                                         on_phase=phases.append, **kw)
+            case = (arch, seg, keep, kw, time)
+            assert abs(loss.item() - loss0) <= TOL * abs(loss0), case
+            assert worst_rel_error(grads, ref) <= TOL, case
+            below = -(-(n - keep) // seg)
+            # the second time: no head of its own, the kept layers' one vjp instead
+            head = [] if time else ["head"]
+            assert phases[:below + 2 - time] == [f"fwd{k}" for k in range(below)] + head \
+                + [f"bwd{below}"], case
+        joints = [k for fns in fused.fused.fns.values() for k in fns if k[0] == "joint"]
+        assert joints and all(k[1:3] == (n - keep, n) for k in joints), case
