@@ -81,7 +81,11 @@ Configurations (`--configs` picks some by name; default: all of these over
   recomputed (docs/engine.md, "Kept layers"); rows carry `keep`. A fused
   step's optimizer update runs compiled too (engine/optim.apply_grads), as a
   job's does; `:eager-update` runs it op by op as before (rows carry
-  `fused_update`), to weigh what that is worth.
+  `fused_update`), to weigh what that is worth. `:ptN` (e.g.
+  `segctl:b32:unpadded:s2:fused:pt4096`): side-by-side rows are cut into
+  groups weighing each further group as N tokens (plans.side_groups; default
+  SIDE_PASS_TOKENS, as a job): larger N, fewer and wider passes; rows carry
+  `pass_tokens`.
 
 The optimizer is AdamW lr 1e-5 (engine/optim.make_optimizer) for both. Each
 configuration prints one JSON row on stdout as it lands (a failing one prints
@@ -104,7 +108,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
+from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK, SIDE_PASS_TOKENS
 
 # Qwen3-0.6B's config.json shape (bench.suite's QWEN3_06B keeps bench_model's head_dim 64).
 SHAPES = {
@@ -167,11 +171,11 @@ def mix_stats(rows) -> dict:
 
 def parse_config(name: str) -> dict:
     """`mlx-lm:bB[:ckpt]` or
-    `segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK][:eager-update]` ->
+    `segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK][:ptN][:eager-update]` ->
     its dict; ValueError with the reason otherwise."""
     parts = name.split(":")
     bad = ValueError(f"bad configuration {name!r} (mlx-lm:bB[:ckpt] or "
-                     "segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK]"
+                     "segctl:bB:packed|unpacked|side|unpadded|auto:sS[:fused][:kK][:ptN]"
                      "[:eager-update], e.g. "
                      "segctl:b4:packed:s0)")
     if len(parts) < 2 or not parts[1].startswith("b") or not parts[1][1:].isdigit() \
@@ -184,16 +188,18 @@ def parse_config(name: str) -> dict:
         return dict(name=name, impl="mlx-lm", batch=batch, grad_checkpoint=len(parts) == 3)
     options = parts[4:]
     keep = [o for o in options if o[:1] == "k" and o[1:].isdigit() and int(o[1:]) > 0]
+    cut = [o for o in options if o[:2] == "pt" and o[2:].isdigit()]
     if parts[0] == "segctl" and len(parts) >= 4 and parts[2] in (
             "packed", "unpacked", "side", "unpadded", "auto") \
             and parts[3].startswith("s") and parts[3][1:].isdigit() \
             and len(options) == len(set(options)) \
-            and all(o in ("fused", "eager-update") or o in keep for o in options) \
-            and len(keep) <= 1 \
+            and all(o in ("fused", "eager-update") or o in keep or o in cut for o in options) \
+            and len(keep) <= 1 and len(cut) <= 1 \
             and not (keep and parts[3] == "s0"):
         return dict(name=name, impl="segctl", batch=batch, pack=parts[2],
                     segment_size=int(parts[3][1:]), fused="fused" in options,
                     keep=int(keep[0][1:]) if keep else 0,
+                    pass_tokens=int(cut[0][2:]) if cut else SIDE_PASS_TOKENS,
                     eager_update="eager-update" in options)
     raise bad
 
@@ -394,6 +400,7 @@ def _segctl(model, optimizer, rows, cfg, args):
                                                        fused=fused, keep=cfg["keep"]),
                                      pack=pack, side=side, ragged=unpadded,
                                      pack_length=args.pack_length, micro=0,
+                                     pass_tokens=cfg["pass_tokens"],
                                      parts=parts, metrics=metrics,
                                      on_phase=lambda label: marks.append((label,
                                                                           time.perf_counter())))
@@ -414,6 +421,7 @@ def _segctl(model, optimizer, rows, cfg, args):
         seqs = seen["sequences"]
         return dict(packed=pack, side=side, unpadded=unpadded, pack=cfg["pack"], pack_refusal=why,
                     fused=fused, fused_update=fused_update, keep=cfg["keep"],
+                    pass_tokens=cfg["pass_tokens"],
                     phase_seconds={g: round(t, 3) for g, t in seen["phases"].items()},
                     pack_length=args.pack_length if pack or side else None,
                     pad_efficiency=round(seen["tokens"] / seen["padded"], 4) if side else None,
@@ -496,6 +504,8 @@ def _label(row: dict, lengths: bool = False) -> str:
         + (", fused" if row.get("fused") else "") \
         + (f", top {row['keep']} kept" if row.get("keep") else "") \
         + (", update eager" if row.get("fused") and row.get("fused_update") is False else "") \
+        + (f", a further pass weighed {row['pass_tokens']} tokens"
+           if row.get("pass_tokens", SIDE_PASS_TOKENS) != SIDE_PASS_TOKENS else "") \
         + (f", at most {row['pack_length']} tokens a pass"
            if lengths and row.get("pack_length") else "")
 

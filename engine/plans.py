@@ -142,7 +142,7 @@ def make_plan(example, method: str, parts: ModelParts, *, prefix_shared: bool = 
 
 def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = False,
                side: bool = False, ragged: int = 0, pack_length: int = 0, micro: int = 0,
-               align: int = 1,
+               align: int = 1, pass_tokens: int = SIDE_PASS_TOKENS,
                prefix_shared: bool = False, lambda_: float = 0.1, nll_scope: str = "response",
                beta: float = 0.1,
                reference: Callable[[list[Stream]], mx.array] | None = None) -> list[LossPlan]:
@@ -154,9 +154,9 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
     preference row) run side by side (`side_groups`), a group at most
     `pack_length` tokens of [sequences, longest], its length rounded up to a
     multiple of `align` (a row longer runs alone, a preference row's branches one
-    after the other); with `ragged` too, such a group runs unpadded (`ragged_stream`)
-    wherever it has padding and its longest is at most `ragged` tokens. The other
-    rows run alone.
+    after the other), each further group weighed as `pass_tokens` more; with
+    `ragged` too, such a group runs unpadded (`ragged_stream`) wherever it has
+    padding and its longest is at most `ragged` tokens. The other rows run alone.
     Every plan's loss is divided by the weight of the whole batch, so the plans'
     losses and gradients add up to the step's."""
     rows = [row_plan(ex, method, parts, prefix_shared=prefix_shared, lambda_=lambda_,
@@ -173,7 +173,7 @@ def make_plans(batch: list, method: str, parts: ModelParts, *, pack: bool = Fals
         if side:
             groups += [("side" if _side_tokens(g, align) <= pack_length else "alone", g)
                        for g in side_groups([r for r in left if _causal(r)], pack_length,
-                                            align)]
+                                            align, pass_tokens)]
             left = [r for r in left if not _causal(r)]
         groups += [("alone", [r]) for r in left]
         if pack:

@@ -41,7 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK
+from segctl.schemas.defaults import DEFAULT_HEAD_CHUNK, SIDE_PASS_TOKENS
 
 from . import attention, head, layout, rows
 from . import fused as fusing
@@ -80,6 +80,7 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
                    prefix_shared: bool = False, lambda_: float = 0.1,
                    nll_scope: str = "response", beta: float = 0.1,
                    pack: bool = False, side: bool = False, ragged: bool = False,
+                   pass_tokens: int = SIDE_PASS_TOKENS,
                    pack_length: int = 0,
                    micro: int = 0, align: int | None = None, parts: ModelParts | None = None,
                    on_phase: PhaseHook | None = None, metrics: dict | None = None):
@@ -96,6 +97,8 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
     they can (`make_plans`), [rows, longest] at a time, at most `pack_length`
     tokens of that, the longest padded to a multiple of `align` (None:
     `side_align()`); it needs a model whose rows batch exactly (`side_refusal`).
+    pass_tokens: what one more group is weighed as when the rows are cut into
+    groups (`plans.side_groups`; the benchmark's knob, a job keeps the default).
     ragged (with side): those groups run unpadded (engine/ragged.py) where their
     rows' attention and MLPs run whole (none longer than attn_block or
     mlp_chunk); it needs a model whose rows run so exactly (`ragged_refusal`).
@@ -128,7 +131,7 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
     plans = make_plans(batch, method, parts, pack=pack, side=side, ragged=whole if ragged else 0,
                        pack_length=pack_length,
                        micro=micro, align=side_align() if align is None else align,
-                       prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
+                       pass_tokens=pass_tokens, prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
                        beta=beta,
                        reference=partial(reference_sums, model, parts, head_chunk=memory.head_chunk,
                                          attn_block=memory.attn_block, mlp_chunk=memory.mlp_chunk,

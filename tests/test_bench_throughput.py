@@ -122,6 +122,22 @@ def test_a_fused_rows_update_runs_compiled_unless_asked_eager(capsys):
     assert "| segctl batch 4, unpacked, segment 1, fused, update eager |" in err
 
 
+def test_a_heavier_pass_cuts_the_rows_into_fewer_groups(capsys):
+    """`:ptN` weighs each further side-by-side group as N tokens: a pass heavier
+    than any group's padding puts the batch's rows into fewer, wider groups,
+    and the step trains the same rows to the same first loss."""
+    configs = ["segctl:b8:unpadded:s1", "segctl:b8:unpadded:s1:pt0", "segctl:b8:unpadded:s1:pt100000"]
+    throughput.cli(TINY + ["--pack-length", "512", "--configs", ",".join(configs)])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert not [r for r in rows if "error" in r], [r.get("error") for r in rows]
+    assert [r["pass_tokens"] for r in rows] == [1024, 0, 100000]
+    groups = [r["sequences_per_step"] for r in rows]
+    assert groups[2] == 1 < groups[1], groups   # 8 rows of <= 64 tokens fit one pass of 512
+    assert all(abs(r["loss"] - rows[0]["loss"]) <= 1e-5 * abs(rows[0]["loss"]) for r in rows)
+    assert "| segctl batch 8, unpadded, segment 1, a further pass weighed 100000 tokens |" in err
+
+
 def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     """Why the benchmark hands mlx-lm [prompt_len, len - 1]: iterate_batches' own
     [offset, len] makes default_loss also read the padding after each row."""
@@ -150,6 +166,8 @@ def test_mlx_lm_lengths_would_read_one_token_past_each_row():
     (["--configs", "segctl:b4:side:s1:k0"], "bad configuration 'segctl:b4:side:s1:k0'"),
     (["--configs", "segctl:b4:side:s1:k1:k2"], "bad configuration 'segctl:b4:side:s1:k1:k2'"),
     (["--configs", "segctl:b4:side:s1:eager"], "bad configuration 'segctl:b4:side:s1:eager'"),
+    (["--configs", "segctl:b4:side:s1:ptx"], "bad configuration 'segctl:b4:side:s1:ptx'"),
+    (["--configs", "segctl:b4:side:s1:pt8:pt9"], "bad configuration 'segctl:b4:side:s1:pt8:pt9'"),
     (["table"], "usage: python -m bench.throughput table ROWS.jsonl"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
