@@ -571,14 +571,11 @@ def _kept(parts, plan, fwd, params, lo, h_in, seed, head_chunk, phase, label):
 
 
 def _kept_fused(parts, plan, fwd, params, lo, h_in, chunk, phase, label):
-    """The kept top layers [lo, N) of a fused one-stream plan whose loss is linear
-    in its sums (SFT's), as `_kept` returns them, or None (another loss, or the
-    trace failed: `_kept` runs them). Their forward, the head and their backward
-    are one compiled vjp (fused.joint): fused, and holding only what the
-    backward reads. The loss's gradient with respect to the sums is then known
-    before the sums are, so the vjp's output is the loss itself as each read
-    row's weight in it times the row's log p. The rows go in padded to whole
-    head chunks (weight 0), so a stream's shape is traced for few row counts."""
+    """`_kept`'s results for a fused plan whose loss is linear in its sums (SFT's),
+    or None (another loss, or a failed trace: `_kept` runs them): their forward,
+    the head and their backward as one compiled vjp (fused.joint) whose output is
+    the loss, each read row's known weight times its log p (docs/engine.md,
+    "Kept layers"). Rows go in padded to whole head chunks (weight 0)."""
     if not plan.linear:
         return None
     stream, n = plan.streams[0], len(parts.layers)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -168,9 +169,13 @@ def test_pack_true_on_a_family_that_cannot_pack_stops_validate_plan_submit_and_t
                     train={"batch_size": 4})
     line = next(i for i, t in enumerate(job.read_text().splitlines(), 1) if "pack: true" in t)
     home = tmp_path / "home"
-    for cmd in (["validate", job], ["plan", job], ["submit", job, "--detach"],
-                ["tune", "--model", folder, "--job", job, "--seq-lens", "64"]):
-        err = assert_one_line_error(segctl(*cmd, env={"SEGCTL_HOME": home}))
+    cmds = (["validate", job], ["plan", job], ["submit", job, "--detach"],
+            ["tune", "--model", folder, "--job", job, "--seq-lens", "64"])
+    # the four processes at once: each waits on its start-up more than on a core
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        procs = list(pool.map(lambda cmd: segctl(*cmd, env={"SEGCTL_HOME": home}), cmds))
+    for cmd, proc in zip(cmds, procs):
+        err = assert_one_line_error(proc)
         assert err == (f"segctl: {job}:{line}: data.pack: true: model type {family} cannot be "
                        "packed exactly (use pack: auto, which trains it unpacked, or pack: "
                        "false)"), (cmd, err)

@@ -50,7 +50,7 @@ def test_the_mac_plan_runs_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, caps
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
     merges = [r for r in rows if r.get("bench") == "merge"]
-    assert [r["fn"] for r in merges][-3:] == ["simple_vjp", "check", "check"]
+    assert [r["fn"] for r in merges][-4:] == ["joint", "check", "check", "check"]
     assert "| one_vjp |" in err and "vs segmented |" in err
     rows = [r for r in rows if r.get("bench") != "merge"]
     rates = [r for r in rows if r.get("bench") == "throughput"]
