@@ -45,6 +45,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 from bench.throughput import _Parser, _positive
 
@@ -85,16 +86,17 @@ def functions(model, B: int, T: int, mask):
             x = layer(x, mask=mask)
         return x
 
+    def nll(y, t):   # a head chunk's summed -log p of its targets t
+        logits = inner.embed_tokens.as_linear(inner.norm(y)).astype(mx.float32)
+        return -mx.take_along_axis(nn.log_softmax(logits, -1), t, -1).sum()
+
     def head(out):
         hs = out[:, T // 2:].reshape(-1, D)
         lps, gs = [], []
         for i in range(0, hs.shape[0], HEAD_CHUNK):
             t = targets[i:i + HEAD_CHUNK, None]
-
-            def nll(y, t=t):
-                logits = inner.embed_tokens.as_linear(inner.norm(y)).astype(mx.float32)
-                return [-mx.take_along_axis(nn.log_softmax(logits, -1), t, -1).sum()]
-            (lp,), (g,) = mx.vjp(nll, [hs[i:i + HEAD_CHUNK]], [mx.array(1.0)])
+            (lp,), (g,) = mx.vjp(lambda y, t=t: [nll(y, t)], [hs[i:i + HEAD_CHUNK]],
+                                 [mx.array(1.0)])
             lps.append(lp)
             gs.append(g)
         g = mx.concatenate(gs).reshape(B, T - T // 2, D)
@@ -106,17 +108,11 @@ def functions(model, B: int, T: int, mask):
     def vjp_out(x):   # unused cotangent: only the forward is computed
         return mx.vjp(lambda y: [layers(y)], [x], [mx.zeros(x.shape, x.dtype)])[0][0]
 
-    def nll_of(t):
-        def nll(y):
-            logits = inner.embed_tokens.as_linear(inner.norm(y)).astype(mx.float32)
-            return -mx.take_along_axis(nn.log_softmax(logits, -1), t, -1).sum()
-        return mx.checkpoint(nll)
-
     def joint(x):
         def loss(y):
             hs = layers(y)[:, T // 2:].reshape(-1, D)
-            return [sum(nll_of(targets[i:i + HEAD_CHUNK, None])(hs[i:i + HEAD_CHUNK])
-                        for i in range(0, hs.shape[0], HEAD_CHUNK))]
+            return [sum(mx.checkpoint(partial(nll, t=targets[i:i + HEAD_CHUNK, None]))(
+                hs[i:i + HEAD_CHUNK]) for i in range(0, hs.shape[0], HEAD_CHUNK))]
         (lp,), (dx,) = mx.vjp(loss, [x], [mx.array(1.0)])
         return lp, dx
 

@@ -131,8 +131,8 @@ def loss_and_grads(model: nn.Module, example, *, memory: StepMemory, method: str
     plans = make_plans(batch, method, parts, pack=pack, side=side, ragged=whole if ragged else 0,
                        pack_length=pack_length,
                        micro=micro, align=side_align() if align is None else align,
-                       pass_tokens=pass_tokens, prefix_shared=prefix_shared, lambda_=lambda_, nll_scope=nll_scope,
-                       beta=beta,
+                       pass_tokens=pass_tokens, prefix_shared=prefix_shared, lambda_=lambda_,
+                       nll_scope=nll_scope, beta=beta,
                        reference=partial(reference_sums, model, parts, head_chunk=memory.head_chunk,
                                          attn_block=memory.attn_block, mlp_chunk=memory.mlp_chunk,
                                          on_phase=on_phase))
@@ -599,8 +599,7 @@ def _kept_fused(parts, plan, fwd, params, lo, h_in, chunk, phase, label):
     sums = stream.member.T @ logp[:m]
     loss = plan.loss(sums)
     grads: dict = {}
-    _add_grads(grads, [p for i in range(lo, n) for p in params[i]],
-               [by_name[i, local] for i in range(lo, n) for _, _, local, _ in params[i]])
+    _add_compiled_grads(grads, params, lo, n, by_name)
     mx.eval(loss, sums, dh, grads)
     phase(label)
     return loss, sums, dh, grads, {}
@@ -619,8 +618,7 @@ def _backward(parts, fwd, segments, params, dh, grads, block, chunk, seed, phase
             if fwd.fused else None
         if got is not None:
             dh, by_name = got
-            _add_grads(grads, [p for i in range(lo, hi) for p in params[i]],
-                       [by_name[i, local] for i in range(lo, hi) for _, _, local, _ in params[i]])
+            _add_compiled_grads(grads, params, lo, hi, by_name)
         elif not block and not chunk:   # (a fused stream's failed trace lands here too)
             fwd.fused = None
             dh = _unit_vjp(parts, fwd, lo, hi, h_in, fwd.kv, dh, dkv, params, grads, seed, 0, 0)
@@ -696,6 +694,12 @@ def _unit_vjp(parts, fwd, lo, hi, h_in, kv, dh, dkv, params, grads, seed, block,
 def _add_grads(grads, seg, values):
     for (name, _, _, _), g in zip(seg, values):
         grads[name] = grads[name] + g if name in grads else g
+
+
+def _add_compiled_grads(grads, params, lo, hi, by_name):
+    # a compiled function's gradients of layers [lo, hi), keyed (layer, local name)
+    _add_grads(grads, [p for i in range(lo, hi) for p in params[i]],
+               [by_name[i, local] for i in range(lo, hi) for _, _, local, _ in params[i]])
 
 
 def _trainable_names(model) -> list[str]:
